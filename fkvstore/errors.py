@@ -1,0 +1,59 @@
+"""The exceptions fkvstore raises.
+
+Every error derives from :class:`FkvError`; the subclasses also derive from the built-in
+exception a caller would already catch (``ValueError``, ``IndexError``, ...), so
+``except ValueError`` keeps working around fkvstore calls.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FkvError",
+    "InvalidPointError",
+    "ArchiveClosedError",
+    "ArchiveFormatError",
+    "ArchiveLockedError",
+    "ChecksumError",
+    "StreamNotFoundError",
+    "ArchiveNotFoundError",
+    "PositionError",
+]
+
+
+class FkvError(Exception):
+    """Base class of every error fkvstore raises."""
+
+
+class InvalidPointError(FkvError, ValueError):
+    """A stored point does not decode back to a valid span (damaged or foreign data)."""
+
+
+class ArchiveClosedError(FkvError, ValueError):
+    """An operation on an archive (or one of its streams) after it was closed."""
+
+
+class ArchiveFormatError(FkvError, ValueError):
+    """A file that is not an fkvstore archive, or one written by an unknown format version."""
+
+
+class ArchiveLockedError(FkvError, OSError):
+    """A second writer tried to open an archive that already has one."""
+
+
+class ChecksumError(FkvError, ValueError):
+    """Stored data does not match its checksum."""
+
+
+class StreamNotFoundError(FkvError, KeyError):
+    """No stream or array of that name in the archive."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class ArchiveNotFoundError(FkvError, FileNotFoundError):
+    """Opening an archive for reading that does not exist."""
+
+
+class PositionError(FkvError, IndexError):
+    """A position outside a stream."""
