@@ -25,22 +25,33 @@ BAD_ORIGIN = 4  # ring: the backward walk does not return to the origin
 
 # --------------------------------------------------------------------------------------- grid
 @njit(cache=True, nogil=True)
+def _powers_of_k(bits, span):
+    """k**j = 2**(bits*j) for j = 0..span, exact in float64."""
+    out = np.empty(span + 1)
+    v = 1.0
+    k = float(1 << bits)
+    for j in range(span + 1):
+        out[j] = v
+        v *= k
+    return out
+
+
+@njit(cache=True, nogil=True)
 def grid_encode(symbols, init, init_count, span, bits, alphabet_size, out):
     """Encode ``symbols (n, W)`` into ``out (S, W, 2)``; the first span continues ``init``."""
     n, width = symbols.shape
     mask = (1 << bits) - 1
+    up = _powers_of_k(bits, span)
     pos = 0
     s = 0
     filled = init_count
     while pos < n:
         cnt = min(span - filled, n - pos)
-        total = filled + cnt
-        scale = 2.0 ** (-(bits * total))
+        scale = 1.0 / up[filled + cnt]  # exact: a power of two
         for w in range(width):
             if filled > 0:
-                inv = 2.0 ** (bits * filled)
-                x = np.int64(init[w, 0] * inv)
-                y = np.int64(init[w, 1] * inv)
+                x = np.int64(init[w, 0] * up[filled])
+                y = np.int64(init[w, 1] * up[filled])
             else:
                 x = np.int64(0)
                 y = np.int64(0)
@@ -68,11 +79,12 @@ def grid_decode(points, first_span, length, start, stop, span, bits, alphabet_si
     """
     width = points.shape[1]
     mask = (1 << bits) - 1
+    up = _powers_of_k(bits, span)
     s = start // span
     while s * span < stop:
         base = s * span
         cnt = min(span, length - base)
-        scale = 2.0 ** (bits * cnt)
+        scale = up[cnt]
         lo = max(start, base) - base
         hi = min(stop, base + cnt) - base
         j = s - first_span

@@ -334,16 +334,23 @@ class Codec:
         ``(stop - start, W)``. Raises :class:`~fkvstore.errors.InvalidPointError` naming the
         span if a point is not a valid encoding.
         """
-        length = integer(length, "length", low=0)
+        if not (type(length) is int and type(start) is int and type(stop) is int):
+            length = integer(length, "length", low=0)
+            start = integer(start, "start", low=0)
+            stop = integer(stop, "stop", low=0)
+        if not 0 <= start <= stop <= length:
+            integer(start, "start", low=0, high=length)
+            integer(stop, "stop", low=start, high=length)
         shape = self._points_shape(points, length)
-        start = integer(start, "start", low=0, high=length)
-        stop = integer(stop, "stop", low=start, high=length)
         first = start // self._span
-        last = self.num_spans(stop)
-        raw = np.asarray(points[first:last], dtype=np.float64)
-        width = shape[1] if len(shape) == 3 else 1
-        pts = np.ascontiguousarray(raw.reshape(raw.shape[0], width, 2))
-        out = self._decode_into(pts, first, length, start, stop)
+        raw = points[first:-(-stop // self._span)]
+        if type(raw) is not np.ndarray or raw.dtype != np.float64:
+            raw = np.asarray(raw, dtype=np.float64)
+        if len(shape) == 2:
+            raw = raw.reshape(raw.shape[0], 1, 2)
+        if not raw.flags.c_contiguous:
+            raw = np.ascontiguousarray(raw)
+        out = self._decode_into(raw, first, length, start, stop)
         return out if len(shape) == 3 else out[:, 0]
 
     def decode_position(self, points, length: int, index: int):
@@ -378,7 +385,7 @@ class Codec:
         return out
 
     def _points_shape(self, points, length: int) -> tuple[int, ...]:
-        shape = tuple(getattr(points, "shape", np.shape(points)))
+        shape = points.shape if hasattr(points, "shape") else np.shape(points)
         if len(shape) not in (2, 3) or shape[-1] != 2:
             raise ValueError(f"points must have shape (S, 2) or (S, W, 2), got {shape}")
         if shape[0] != self.num_spans(length):
