@@ -107,12 +107,10 @@ def grid_decode(points, first_span, length, start, stop, span, bits, alphabet_si
 
 
 @njit(cache=True, nogil=True)
-def grid_walk(symbols, bits, alphabet_size, out):
-    """Continuous walk p <- (V(c) + p) / k from the origin, never restarted: ``out (n, 2)``."""
+def grid_walk(symbols, px, py, bits, alphabet_size, out):
+    """Continuous walk p <- (V(c) + p) / k from ``(px, py)``, never restarted: ``out (n, 2)``."""
     mask = (1 << bits) - 1
     inv_k = 1.0 / (1 << bits)
-    px = 0.0
-    py = 0.0
     for i in range(symbols.shape[0]):
         c = np.int64(symbols[i])
         if c < 0 or c >= alphabet_size:
@@ -193,11 +191,9 @@ def ring_decode(points, first_span, length, start, stop, span, ax, ay, inv_ratio
 
 
 @njit(cache=True, nogil=True)
-def ring_walk(symbols, ax, ay, ratio, out):
-    """Continuous walk p <- A(c) + r p from the origin, never restarted: ``out (n, 2)``."""
+def ring_walk(symbols, px, py, ax, ay, ratio, out):
+    """Continuous walk p <- A(c) + r p from ``(px, py)``, never restarted: ``out (n, 2)``."""
     alphabet_size = ax.shape[0]
-    px = 0.0
-    py = 0.0
     for i in range(symbols.shape[0]):
         c = np.int64(symbols[i])
         if c < 0 or c >= alphabet_size:

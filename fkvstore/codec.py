@@ -306,20 +306,41 @@ class Codec:
         new = self.extend(pts[-1] if tail_count else None, tail_count, arr)
         return np.concatenate([keep, new]), length + arr.shape[0]
 
-    def walk(self, symbols) -> np.ndarray:
-        """The continuous walk: float64 ``(n, 2)``, row i the point after symbol i, from the
-        origin and never restarted (the per-position points a suffix index uses). The last
-        ``j`` symbols before a position fix its point to within ``r**j`` of the same suffix's
-        walk from the origin."""
+    def walk(self, symbols, start=None) -> np.ndarray:
+        """The continuous walk: float64 ``(n, 2)``, row i the point after symbol i, never
+        restarted (the per-position points a suffix index uses). It starts at the origin, or
+        continues from ``start`` (the last point of an earlier walk, shape ``(2,)``), so
+        ``walk(a + b) == concat(walk(a), walk(b, start=walk(a)[-1]))`` bit for bit.
+
+        If the ``j`` symbols before positions p and q agree, their points lie within
+        ``r**j * diameter`` of each other, where the diameter of the region walked is 1 (ring,
+        radius) or sqrt(2) (grid, ``[0, 1)**2``)."""
         arr = symbol_array(symbols, self._alphabet_size, ndim=(1,), check_range=False)
+        origin = np.zeros(2)
+        if start is not None:
+            origin = np.asarray(start, dtype=np.float64)
+            if origin.shape != (2,) or not np.isfinite(origin).all():
+                raise ValueError(f"start must be a finite point of shape (2,), got {start!r}")
         out = np.empty((arr.shape[0], 2))
         if self._geometry == "grid":
-            bad = _k.grid_walk(arr, self._bits, self._alphabet_size, out)
+            bad = _k.grid_walk(arr, origin[0], origin[1], self._bits, self._alphabet_size, out)
         else:
-            bad = _k.ring_walk(arr, self._ax, self._ay, self._ratio, out)
+            bad = _k.ring_walk(arr, origin[0], origin[1], self._ax, self._ay, self._ratio, out)
         if bad >= 0:
             raise_out_of_range(arr, self._alphabet_size)
         return out
+
+    @property
+    def walk_radius(self) -> float:
+        """Largest distance of a walk point from the origin (1 for ring, sqrt(2) for grid)."""
+        return math.sqrt(2.0) if self._geometry == "grid" else 1.0
+
+    def kernel_args(self) -> tuple:
+        """The codec's parameters in the form the Numba decoders take (for other kernels)."""
+        if self._geometry == "grid":
+            return (self._span, self._bits, self._alphabet_size)
+        return (self._span, self._ax, self._ay, self._inv_ratio, self._radius2,
+                self._origin_tol2)
 
     # ------------------------------------------------------------------ decoding
     def decode(self, points, length: int) -> np.ndarray:

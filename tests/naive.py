@@ -100,3 +100,18 @@ def find_all(haystack, needle) -> list[int]:
     """Positions of the last symbol of every occurrence of ``needle`` (overlaps included)."""
     h, n = list(haystack), list(needle)
     return [i + len(n) - 1 for i in range(len(h) - len(n) + 1) if h[i:i + len(n)] == n]
+
+
+def longest_suffix(haystack, query, k: int):
+    """The k (position, common-suffix length) pairs with the longest common suffix (>= 1),
+    ties to the most recent position."""
+    h, q = list(haystack), list(query)
+    scored = []
+    for p in range(len(h)):
+        n = 0
+        while n < len(q) and n <= p and h[p - n] == q[len(q) - 1 - n]:
+            n += 1
+        if n:
+            scored.append((p, n))
+    scored.sort(key=lambda pn: (-pn[1], -pn[0]))
+    return scored[:k]
