@@ -7,12 +7,12 @@ import math
 import struct
 from fractions import Fraction
 
-import naive
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import naive
 from fkvstore.codec import RING_ERROR, Codec, kissing_ratio
 from fkvstore.errors import FkvError, InvalidPointError
 
