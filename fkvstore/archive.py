@@ -25,6 +25,7 @@ import numpy as np
 from fkvstore import layout
 from fkvstore._lock import WriterLock
 from fkvstore._superblock import clear_status_flags
+from fkvstore._validate import symbol_array
 from fkvstore.codec import Codec
 from fkvstore.errors import (
     ArchiveClosedError,
@@ -468,7 +469,8 @@ class Stream:
     """Rows of ``width`` symbols from ``{0, ..., alphabet_size-1}``, stored in an archive.
 
     Reading: ``len(s)``, ``s[i]`` (shape (width,) int64, or an int when width == 1), ``s[i:j]``
-    and ``s[index_array]`` (shape (n, width) int64), negative indices, iteration, :meth:`read`.
+    and ``s[index_array]`` (shape (n, width) int64), negative indices, ``s[rows, columns]`` as in
+    numpy, iteration, :meth:`read`.
     Writing: :meth:`append`, :meth:`extend`, :meth:`truncate`. Reading one position decodes one
     span per column and reads (once, then cached) the chunk that holds it.
     """
@@ -670,6 +672,11 @@ class Stream:
                     f"row {int(key)} out of range for stream {self.name!r} of {n} rows"
                 )
             return self._row(i)
+        if isinstance(key, tuple) and len(key) == 2:  # (rows, columns), as numpy
+            rows = self[key[0]]
+            if np.ndim(rows) < 2:
+                return np.atleast_1d(rows)[key[1]]
+            return rows[:, key[1]]
         if isinstance(key, slice):
             start, stop, step = key.indices(n)
             if step == 1:
@@ -712,24 +719,8 @@ class Stream:
                 yield from rows
 
     # -- writing ----------------------------------------------------------------------------------
-    def _check_symbols(self, arr: np.ndarray, what: str) -> np.ndarray:
-        if arr.dtype == object or arr.dtype.kind not in "iu" or arr.dtype == bool:
-            hint = " (NaN or fractional values are not symbols)" if arr.dtype.kind == "f" else ""
-            raise TypeError(
-                f"{what} must be integers, got dtype {arr.dtype}{hint}; pass an integer array, "
-                "e.g. np.asarray(x, dtype=np.int64) after checking the values"
-            )
-        if arr.size:
-            lo, hi = arr.min(), arr.max()
-            if lo < 0 or hi >= self.alphabet_size:
-                flat = arr.reshape(-1)
-                k = int(np.flatnonzero((flat < 0) | (flat >= self.alphabet_size))[0])
-                raise ValueError(
-                    f"symbol {int(flat[k])} at flat position {k} of the {what} is outside "
-                    f"0..{self.alphabet_size - 1} (alphabet_size of stream {self.name!r}); "
-                    "nothing was appended"
-                )
-        return arr
+    def _check_symbols(self, rows, what: str, ndim: tuple[int, ...]) -> np.ndarray:
+        return symbol_array(rows, self.alphabet_size, ndim=ndim, name=f"{what} of {self.name!r}")
 
     def _reserve(self, extra: int) -> None:
         need = self._nbuf + extra
@@ -754,13 +745,12 @@ class Stream:
                 self._reserve(1)
             self._buf[self._nbuf, 0] = row
         else:
-            arr = np.asarray(row)
+            arr = self._check_symbols(row, "row", (0, 1))
             if arr.shape not in ((self.width,), () if self.width == 1 else (self.width,)):
                 raise ValueError(
                     f"a row of stream {self.name!r} has {self.width} symbol(s), got shape "
                     f"{arr.shape}; use extend() for several rows"
                 )
-            self._check_symbols(arr, "row")
             self._reserve(1)
             self._buf[self._nbuf] = arr
         self._nbuf += 1
@@ -771,7 +761,7 @@ class Stream:
         """Append rows: an (n, width) integer array or sequence ((n,) also when width == 1)."""
         self._check_open()
         self._ar._check_writable()
-        arr = np.asarray(rows)
+        arr = self._check_symbols(rows, "rows", (1, 2))
         if arr.ndim == 1 and self.width == 1:
             arr = arr[:, None]
         if arr.ndim != 2 or arr.shape[1] != self.width:
@@ -779,7 +769,6 @@ class Stream:
                 f"stream {self.name!r} takes rows of width {self.width}: pass shape "
                 f"(n, {self.width}){' or (n,)' if self.width == 1 else ''}, got {arr.shape}"
             )
-        self._check_symbols(arr, "rows")
         n = len(arr)
         if n == 0:
             return
