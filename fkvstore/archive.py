@@ -24,13 +24,14 @@ import numpy as np
 
 from fkvstore import layout
 from fkvstore._lock import WriterLock
-from fkvstore._superblock import clear_status_flags
+from fkvstore._superblock import clear_status_flags, open_cleared_view, read_superblock
 from fkvstore._validate import symbol_array
 from fkvstore.codec import Codec
 from fkvstore.errors import (
     ArchiveClosedError,
     ArchiveExistsError,
     ArchiveFormatError,
+    ArchiveLockedError,
     ArchiveNotFoundError,
     ArchiveReadOnlyError,
     ChecksumError,
@@ -192,7 +193,13 @@ class Archive:
         self._lock = WriterLock(self.path, create=False)
         try:
             _recover_if_needed(self.path)
-            self._file = _h5_open(self.path, "r+")
+            try:
+                self._file = _h5_open(self.path, "r+")
+            except (OSError, RuntimeError) as exc:
+                raise ArchiveFormatError(
+                    f"{self.path!r} cannot be opened as an HDF5 archive ({exc}); it may be "
+                    "truncated or damaged"
+                ) from exc
             layout.check_format(self._file, self.path)
             self._enter_swmr()
         except BaseException:
@@ -347,16 +354,25 @@ class Archive:
         s = self._streams.get(name)
         if s is not None:
             return s
-        if not isinstance(name, str) or name not in f[layout.STREAMS]:
+        try:
+            found = isinstance(name, str) and name in f[layout.STREAMS]
+        except (OSError, RuntimeError, KeyError) as exc:
+            raise ArchiveFormatError(f"{self.path!r} is damaged: {exc}") from exc
+        if not found:
             known = ", ".join(map(repr, self)) or "none"
             raise StreamNotFoundError(
                 f"no stream {name!r} in {self.path!r} (streams: {known}); create it with "
                 "create_stream()"
             )
-        g = f[layout.STREAMS][name]
-        info = layout.read_stream_info(g)
-        cls = TextStream if info.kind == "text" else Stream
-        s = cls(self, name, g, info)
+        try:
+            g = f[layout.STREAMS][name]
+            info = layout.read_stream_info(g)
+            cls = TextStream if info.kind == "text" else Stream
+            s = cls(self, name, g, info)
+        except (OSError, RuntimeError, KeyError) as exc:
+            raise ArchiveFormatError(
+                f"stream {name!r} of {self.path!r} cannot be read ({exc}); the file is damaged"
+            ) from exc
         self._streams[name] = s
         return s
 
@@ -1027,50 +1043,70 @@ def _open_reader(path: str) -> h5py.File:
     """Open for reading as an SWMR reader, which also works while a writer is (or was) active."""
     if not os.path.exists(path):
         raise ArchiveNotFoundError(f"no archive at {path!r}")
+    sb = read_superblock(path)
+    if sb is not None and os.path.getsize(path) < sb.base_address + sb.eof_address:
+        # Shorter than its superblock says. An SWMR reader skips that check and then retries
+        # every unreadable block with growing pauses, so unless a live writer is still
+        # extending the file, read it through the zero-padded view in ordinary mode instead.
+        if not _writer_alive(path):
+            return _open_view(path, None)
     last: Exception | None = None
+    f = None
     # a live writer leaves SWMR mode for a moment when it creates streams or attributes
     for delay in (0.0, 0.01, 0.05, 0.2, 0.5):
         time.sleep(delay)
         try:
             f = _h5_open(path, "r", swmr=True)
             break
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:
             last = exc
             if not any(s in str(exc) for s in _FLAG_ERRORS):
                 break
-    else:
-        f = None
     if f is None:
         f = _open_reader_fallback(path, last)
     try:
         layout.check_format(f, path)
+    except (KeyError, OSError, RuntimeError) as exc:
+        f.close()
+        raise ArchiveFormatError(f"{path!r} is damaged: {exc}") from exc
     except BaseException:
         f.close()
         raise
     return f
 
 
-def _open_reader_fallback(path: str, first_error: Exception | None) -> h5py.File:
-    from fkvstore._superblock import read_superblock
-    from fkvstore.errors import ArchiveLockedError
+def _writer_alive(path: str) -> bool:
+    try:
+        WriterLock(path, create=False, readonly=True).release()
+    except ArchiveLockedError:
+        return True
+    return False
 
+
+def _open_view(path: str, first_error: Exception | None) -> h5py.File:
+    """Open read-only through a view with cleared flags and zero padding (nothing is written)."""
+    view = open_cleared_view(path)
+    try:
+        return h5py.File(view, "r")
+    except (OSError, RuntimeError) as exc:
+        view.close()
+        raise ArchiveFormatError(
+            f"{path!r} is not a readable HDF5 archive ({exc}); it may be truncated or damaged"
+        ) from (first_error or exc)
+
+
+def _open_reader_fallback(path: str, first_error: Exception | None) -> h5py.File:
     try:
         return _h5_open(path, "r")  # an HDF5 file without SWMR support: not ours, but readable
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
         msg = str(exc)
     if any(s in msg for s in _FLAG_ERRORS):
         # flags left by a writer that died outside SWMR mode: read through a patched view
-        try:
-            lock = WriterLock(path, create=False, readonly=True)
-        except ArchiveLockedError:
+        if _writer_alive(path):
             raise ArchiveLockedError(
                 f"{path!r} is being restructured by a writer; try again in a moment"
             ) from first_error
-        lock.release()
-        read_superblock(path)
-        from fkvstore._superblock import open_cleared_view
-
-        return h5py.File(open_cleared_view(path), "r")
+        return _open_view(path, first_error)
     raise ArchiveFormatError(
         f"{path!r} is not a readable HDF5 archive ({msg}); it may be truncated or damaged"
     ) from first_error
