@@ -451,6 +451,23 @@ class Archive:
         for s, st in staged:
             s._apply(st)
 
+    def verify(self, progress=None) -> dict[str, list[str]]:
+        """Check every stream (:meth:`Stream.verify`) and array; ``{name: problems}`` with an
+        entry for every stream and array (``arrays/<name>`` for arrays), empty lists when intact."""
+        report = {}
+        for name in self:
+            try:
+                report[name] = self[name].verify(progress)
+            except FkvError as exc:
+                report[name] = [str(exc)]
+        for name in self.array_names():
+            try:
+                self.get_array(name)
+                report[f"arrays/{name}"] = []
+            except FkvError as exc:
+                report[f"arrays/{name}"] = [str(exc)]
+        return report
+
     def refresh(self) -> None:
         """Reader side: see what the writer has committed since this archive was opened."""
         self._h5()
@@ -936,6 +953,28 @@ class Stream:
         del self._crcs[need:]
         self._tail = None
         self._commit = c
+
+    def verify(self, progress=None) -> list[str]:
+        """Check every stored chunk's CRC-32 and decode every span; return the problems found
+        (empty when the stream is intact). ``progress(n)`` is called per chunk checked."""
+        self._check_open()
+        problems = []
+        c, m, B = self._commit, self.span, self.block_spans
+        nblocks = -(-c.full_spans // B)
+        for b in range(nblocks + (1 if c.tail_count else 0)):
+            is_tail = b == nblocks
+            s0 = c.full_spans if is_tail else b * B
+            s1 = c.full_spans + 1 if is_tail else min(c.full_spans, (b + 1) * B)
+            self._blocks.pop(b, None)  # re-read from the file, do not trust the cache
+            if is_tail:
+                self._tail = None
+            try:
+                self._decode(s0 * m, min(c.length, s1 * m))
+            except (ChecksumError, InvalidPointError) as exc:
+                problems.append(str(exc))
+            if progress is not None:
+                progress(1)
+        return problems
 
     # -- per-stream auxiliary arrays (derived data, e.g. a search index) ---------------------------
     def put_aux_array(self, key: str, array, attrs: dict | None = None) -> None:

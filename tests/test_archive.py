@@ -62,8 +62,15 @@ def test_closed_archive_fails_loudly(path):
     ar.close()
     ar.close()  # idempotent
     assert ar.closed and "closed" in repr(ar)
-    for op in (lambda: ar["s"], lambda: len(ar), lambda: ar.flush(), lambda: s[0],
-               lambda: s.append(1), lambda: ar.attrs, lambda: list(ar)):
+    for op in (
+        lambda: ar["s"],
+        lambda: len(ar),
+        lambda: ar.flush(),
+        lambda: s[0],
+        lambda: s.append(1),
+        lambda: ar.attrs,
+        lambda: list(ar),
+    ):
         with pytest.raises(ArchiveClosedError):
             op()
     with fkvstore.open(path) as ar2:  # close() committed the buffered rows
@@ -75,10 +82,16 @@ def test_read_only_mode_refuses_writes(path):
         ar.create_stream("s", 10)
     with fkvstore.open(path, "r") as ar:
         s = ar["s"]
-        for op in (lambda: s.append(1), lambda: s.extend([1]), lambda: s.truncate(0),
-                   lambda: ar.create_stream("t", 3), lambda: ar.put_array("a", [1]),
-                   lambda: ar.attrs.__setitem__("k", 1), lambda: ar.flush(),
-                   lambda: ar.__delitem__("s")):
+        for op in (
+            lambda: s.append(1),
+            lambda: s.extend([1]),
+            lambda: s.truncate(0),
+            lambda: ar.create_stream("t", 3),
+            lambda: ar.put_array("a", [1]),
+            lambda: ar.attrs.__setitem__("k", 1),
+            lambda: ar.flush(),
+            lambda: ar.__delitem__("s"),
+        ):
             with pytest.raises(ArchiveReadOnlyError, match="mode 'a' or 'r\\+'"):
                 op()
 
@@ -193,7 +206,7 @@ def test_text_stream(path):
     with fkvstore.open(path, "w") as ar:
         t = ar.create_text_stream("t")
         t.extend(text[:10])
-        t.extend(raw[len(text[:10].encode()):20])
+        t.extend(raw[len(text[:10].encode()) : 20])
         t.append(raw[20:21])
         t.append(raw[21])
         t.extend(bytearray(raw[22:]))
@@ -239,7 +252,7 @@ def test_bad_input_appends_nothing(path):
         assert ar["s"][:].tolist() == [[1, 2]] and len(ar["one"]) == 0
 
 
-# -- attrs and arrays -------------------------------------------------------------------------------
+# -- attrs and arrays ---------------------------------------------------------------------
 def test_attrs(path):
     with fkvstore.open(path, "w") as ar:
         ar.attrs["model"] = "gpt2"
@@ -262,8 +275,15 @@ def test_attrs(path):
 
 @pytest.mark.parametrize(
     "value",
-    [np.arange(12.0).reshape(3, 4), np.array([1, 2], ">i4"), np.array(b"config-hash-123"),
-     np.zeros((0, 5), np.uint8), np.array([True, False]), np.float16(3.5), np.array(["a", "bc"], "S")],
+    [
+        np.arange(12.0).reshape(3, 4),
+        np.array([1, 2], ">i4"),
+        np.array(b"config-hash-123"),
+        np.zeros((0, 5), np.uint8),
+        np.array([True, False]),
+        np.float16(3.5),
+        np.array(["a", "bc"], "S"),
+    ],
 )
 def test_arrays_round_trip(path, value):
     with fkvstore.open(path, "w") as ar:
@@ -303,7 +323,7 @@ def test_aux_arrays_beside_a_stream(path):
             ar["s"].get_aux_array("tree")
 
 
-# -- foreign and damaged files ----------------------------------------------------------------------
+# -- foreign and damaged files ------------------------------------------------------------
 def test_foreign_files(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("not hdf5 at all " * 100)
