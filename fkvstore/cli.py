@@ -17,7 +17,7 @@ from fkvstore.errors import FkvError
 __all__ = ["main"]
 
 
-def progress_bar(total: int, desc: str, enabled: bool = True):
+def progress_bar(total: int, desc: str, enabled: bool = True, unit: str = "chunk"):
     """A tqdm bar on stderr, or a do-nothing stand-in when tqdm is missing or disabled."""
     try:
         from tqdm import tqdm
@@ -25,7 +25,9 @@ def progress_bar(total: int, desc: str, enabled: bool = True):
         tqdm = None
     if tqdm is None or not enabled:
         return _NoBar()
-    return tqdm(total=total, desc=desc, unit="chunk", leave=False, file=sys.stderr)
+    return tqdm(
+        total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False, file=sys.stderr
+    )
 
 
 class _NoBar:
