@@ -127,17 +127,27 @@ def cmd_append(args) -> int:
         if s.kind == "text":
             s.extend(sys.stdin.buffer.read())
         else:
+            # parse everything first: a bad line leaves the stream unchanged
+            rows = []
             for line_no, line in enumerate(sys.stdin, 1):
                 fields = line.split()
                 if not fields:
                     continue
                 try:
-                    row = [int(v) for v in fields]
+                    rows.append([int(v) for v in fields])
                 except ValueError:
                     raise SystemExit(
                         f"fkv: line {line_no}: not integers: {line.strip()!r}"
                     ) from None
-                s.append(row[0] if s.width == 1 and len(row) == 1 else row)
+                if len(rows[-1]) != s.width:
+                    raise SystemExit(
+                        f"fkv: line {line_no}: {len(rows[-1])} value(s), stream {s.name!r} "
+                        f"has width {s.width}"
+                    )
+            try:
+                s.extend(np.array(rows, dtype=np.int64).reshape(-1, s.width))
+            except (ValueError, TypeError) as exc:
+                raise SystemExit(f"fkv: nothing appended: {exc}") from None
         print(
             f"appended {len(s) - before} row(s) to {args.stream!r}; now {len(s)}", file=sys.stderr
         )
@@ -167,7 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("get", help="print rows START:STOP (raw bytes for a text stream)")
     g.add_argument("file")
     g.add_argument("stream")
-    g.add_argument("range", help="START:STOP, START: or :STOP (negative counts from the end)")
+    g.add_argument(
+        "range",
+        help="START:STOP, START: or :STOP; negative values count from the end (put -- before "
+        "a range that starts with '-')",
+    )
     a = sub.add_parser("append", help="append rows from standard input (same formats as get)")
     a.add_argument("file")
     a.add_argument("stream")
