@@ -23,6 +23,7 @@ import h5py
 import numpy as np
 
 from fkvstore import layout
+from fkvstore._codec_kernels import grid_decode as _grid_decode
 from fkvstore._lock import WriterLock
 from fkvstore._superblock import clear_status_flags, open_cleared_view, read_superblock
 from fkvstore._validate import symbol_array
@@ -519,6 +520,9 @@ class Stream:
         self.block_spans = info.block_spans
         self._block_bytes = self.block_spans * self.width * 16
         self._dtype = _symbol_dtype(self.alphabet_size)
+        # fast single-row path (grid only): the codec's kernel on a cached chunk, no slicing
+        self._grid_args = self.codec.kernel_args() if self.codec.geometry == "grid" else None
+        self._out = np.empty((1, self.width), dtype=np.int64)
         self._buf = np.empty((0, self.width), dtype=self._dtype)
         self._nbuf = 0
         self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
@@ -681,6 +685,15 @@ class Stream:
                 blk = self._blocks.get(b)
                 if blk is None:
                     blk = self._block(b)
+                if self._grid_args is not None:
+                    # the kernel reads the one symbol straight from the cached chunk
+                    if (
+                        _grid_decode(
+                            blk, b * self.block_spans, L, i, i + 1, *self._grid_args, self._out
+                        )
+                        < 0
+                    ):
+                        return int(self._out[0, 0]) if self.width == 1 else self._out[0].copy()
                 j = span - b * self.block_spans
                 pts, count = blk[j : j + 1], m
             else:
