@@ -48,8 +48,8 @@ def _parse_range(text: str, length: int) -> tuple[int, int]:
     try:
         lo, _, hi = text.partition(":")
         if not _:
-            start = int(lo)
-            return start, start + 1
+            start = int(lo) + (length if int(lo) < 0 else 0)
+            return start, max(start, min(length, start + 1))
         start = int(lo) if lo else 0
         stop = int(hi) if hi else length
     except ValueError:
