@@ -158,10 +158,10 @@ def validate_decode_args(
         if cb.device != query.device:
             raise ValueError(f"{name} is on {cb.device}, the query on {query.device}")
     kv_heads = key_codebooks.shape[0]
-    _expect_dim("value_codebooks", value_codebooks, 0, kv_heads, "kv_heads, as in key_codebooks")
     if q_heads % kv_heads:
         raise ValueError(f"query has {q_heads} heads, which is not a multiple of the "
                          f"{kv_heads} kv_heads of the codebooks")
+    _expect_dim("value_codebooks", value_codebooks, 0, kv_heads, "kv_heads, as in key_codebooks")
     _codes("key_codes", key_codes, key_codebooks, query, check_codes)
     _codes("value_codes", value_codes, value_codebooks, query, check_codes)
     if key_codes.shape[2] != value_codes.shape[2]:
