@@ -35,7 +35,8 @@ from kernels._validate import DecodeProblem
 LOG2E = 1.4426950408889634
 MAX_HEADS_PER_PROGRAM = 16  # query heads of one GQA group handled together (they share codes)
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(NEG_BIG - NEG_BIG) stays 1
-MAX_HISTOGRAM_COLUMNS = 1 << 16  # value stages x codebook size, both padded to powers of two
+MAX_HISTOGRAM_COLUMNS = 1 << 16  # value stages x codebook size (padded to a power of two)
+MAX_REPLICAS = 8  # copies of each head's histogram that the splits share out
 
 
 @triton.jit
@@ -85,7 +86,7 @@ def _split_max_kernel(table_ptr, kc_ptr, alen_ptr, mx_ptr, hist_ptr, l_ptr,
                       t_sb, t_sh, t_ss,
                       kc_sb, kc_sh, kc_sn, kc_ss,
                       mx_sb, mx_sh, h_sb, h_sh, l_sb, l_sh,
-                      KV_HEADS, GROUP, GROUP_CHUNKS, SPLIT_LEN, COLUMNS,
+                      KV_HEADS, GROUP, GROUP_CHUNKS, SPLIT_LEN, HIST_LEN,
                       KEY_STAGES: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_Z: tl.constexpr):
     split = tl.program_id(0)
@@ -99,10 +100,10 @@ def _split_max_kernel(table_ptr, kc_ptr, alen_ptr, mx_ptr, hist_ptr, l_ptr,
 
     if split == 0:  # the histogram kernel accumulates with atomics: start it from zero
         zeros = tl.zeros([BLOCK_G, BLOCK_Z], tl.float32)
-        for c0 in range(0, COLUMNS, BLOCK_Z):
+        for c0 in range(0, HIST_LEN, BLOCK_Z):
             col = c0 + tl.arange(0, BLOCK_Z)
             tl.store(hist_ptr + b * h_sb + heads[:, None] * h_sh + col[None, :], zeros,
-                     mask=g_ok[:, None] & (col[None, :] < COLUMNS))
+                     mask=g_ok[:, None] & (col[None, :] < HIST_LEN))
         tl.store(l_ptr + b * l_sb + heads * l_sh, tl.zeros([BLOCK_G], tl.float32), mask=g_ok)
 
     n_archived = tl.load(alen_ptr + b)
@@ -125,8 +126,8 @@ def _value_histogram_kernel(table_ptr, kc_ptr, vc_ptr, alen_ptr, mx_ptr, hist_pt
                             kc_sb, kc_sh, kc_sn, kc_ss,
                             vc_sb, vc_sh, vc_sn, vc_ss,
                             mx_sb, mx_sh, h_sb, h_sh, l_sb, l_sh,
-                            KV_HEADS, GROUP, GROUP_CHUNKS, SPLIT_LEN, NUM_SPLITS,
-                            KEY_STAGES: tl.constexpr, VALUE_STAGES: tl.constexpr,
+                            KV_HEADS, GROUP, GROUP_CHUNKS, SPLIT_LEN, NUM_SPLITS, COLUMNS,
+                            REPLICAS, KEY_STAGES: tl.constexpr, VALUE_STAGES: tl.constexpr,
                             VALUE_CODEBOOK_P: tl.constexpr, BLOCK_G: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
     split = tl.program_id(0)
@@ -149,7 +150,8 @@ def _value_histogram_kernel(table_ptr, kc_ptr, vc_ptr, alen_ptr, mx_ptr, hist_pt
         table_rows = table_ptr + b * t_sb + heads[:, None] * t_sh
         kc_base = kc_ptr + b * kc_sb + kvh * kc_sh
         vc_base = vc_ptr + b * vc_sb + kvh * vc_sh
-        hist_rows = hist_ptr + b * h_sb + heads[:, None] * h_sh
+        # splits spread over a few histogram copies: fewer atomics meet at one address
+        hist_rows = hist_ptr + b * h_sb + heads[:, None] * h_sh + (split % REPLICAS) * COLUMNS
         l = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -175,13 +177,13 @@ def _exact_segment(q, k_base, v_base, n_tokens, m, l, acc, k_sn, v_sn, d, d_ok,
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + n[:, None] * k_sn + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + n[:, None] * v_sn + d[None, :], mask=kv_mask, other=0.0)
-        score = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        score = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         score = tl.where(n_ok[None, :], score, float("-inf"))
         m_new = tl.maximum(m, tl.max(score, axis=1))
         alpha = tl.math.exp2(m - m_new)
         p = tl.math.exp2(score - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         m = m_new
     return m, l, acc
 
@@ -196,25 +198,29 @@ def _exact_and_combine_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, r
                               vcb_sh, vcb_ss, vcb_sc,
                               o_sb, o_sh,
                               KV_HEADS, GROUP, GROUP_CHUNKS, NUM_SPLITS, HEAD_DIM, VALUE_CODEBOOK,
+                              COLUMNS,
                               VALUE_STAGES: tl.constexpr, VALUE_CODEBOOK_P: tl.constexpr,
-                              BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                              REPLICAS: tl.constexpr, BLOCK_G: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                               BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
                               BLOCK_C: tl.constexpr):
+    # BLOCK_G heads of the group, in BLOCK_M >= 16 rows so that tl.dot applies
     pid_bhg = tl.program_id(0)
     chunk = pid_bhg % GROUP_CHUNKS
     kvh = (pid_bhg // GROUP_CHUNKS) % KV_HEADS
     b = pid_bhg // (GROUP_CHUNKS * KV_HEADS)
-    g = chunk * BLOCK_G + tl.arange(0, BLOCK_G)
-    g_ok = g < GROUP
+    row = tl.arange(0, BLOCK_M)
+    g = chunk * BLOCK_G + row
+    g_ok = (row < BLOCK_G) & (g < GROUP)
     heads = kvh * GROUP + g
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
 
     q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * qk_scale
-    m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m, l, acc = _exact_segment(q, sk_ptr + b * sk_sb + kvh * sk_sh,
                                sv_ptr + b * sv_sb + kvh * sv_sh, tl.load(slen_ptr + b),
                                m, l, acc, sk_sn, sv_sn, d, d_ok, BLOCK_E)
@@ -231,19 +237,21 @@ def _exact_and_combine_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, r
     m_all = tl.maximum(m, m_arch)
     w_exact = tl.math.exp2(m - m_all)
     w_arch = tl.math.exp2(m_arch - m_all)
-    total = l * w_exact + l_arch * w_arch
+    total = tl.where(g_ok, l * w_exact + l_arch * w_arch, 1.0)
 
-    values = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    values = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hist_rows = hist_ptr + b * h_sb + heads[:, None] * h_sh
     for s in tl.static_range(VALUE_STAGES):
         for c0 in range(0, VALUE_CODEBOOK, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             c_ok = c < VALUE_CODEBOOK
-            weight = tl.load(hist_rows + s * VALUE_CODEBOOK_P + c[None, :],
-                             mask=g_ok[:, None] & c_ok[None, :], other=0.0)
+            weight = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+            for r in tl.static_range(REPLICAS):
+                weight += tl.load(hist_rows + r * COLUMNS + s * VALUE_CODEBOOK_P + c[None, :],
+                                  mask=g_ok[:, None] & c_ok[None, :], other=0.0)
             vcb = tl.load(vcb_ptr + kvh * vcb_sh + s * vcb_ss + c[:, None] * vcb_sc + d[None, :],
                           mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            values += tl.sum(weight[:, :, None] * vcb[None, :, :], axis=1)
+            values += tl.dot(weight, vcb, input_precision="ieee")
 
     out = (acc * w_exact[:, None] + values * w_arch[:, None]) / total[:, None]
     tl.store(out_ptr + b * o_sb + heads[:, None] * o_sh + d[None, :],
@@ -321,9 +329,10 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None,
 
     table = torch.empty(batch, q_heads, key_stages, key_codebook, dtype=torch.float32,
                         device=device)
-    # one scratch buffer: per head the split maxima, the weight sum and the value histogram
-    scratch = torch.empty(batch, q_heads, num_splits + 1 + columns, dtype=torch.float32,
-                          device=device)
+    replicas = min(MAX_REPLICAS, num_splits)
+    # one scratch buffer: per head the split maxima, the weight sum and the value histograms
+    scratch = torch.empty(batch, q_heads, num_splits + 1 + replicas * columns,
+                          dtype=torch.float32, device=device)
     split_max, weight_sum, hist = (scratch[..., :num_splits], scratch[..., num_splits],
                                    scratch[..., num_splits + 1:])
     block_c = min(32, _pow2(key_codebook))
@@ -346,15 +355,15 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None,
         *table.stride()[:3], *kc.stride(),
         split_max.stride(0), split_max.stride(1), hist.stride(0), hist.stride(1),
         weight_sum.stride(0), weight_sum.stride(1),
-        kv_heads, group, chunks, split_len, columns,
+        kv_heads, group, chunks, split_len, replicas * columns,
         KEY_STAGES=key_stages, BLOCK_G=block_g, BLOCK_N=block_n,
-        BLOCK_Z=min(1024, _pow2(columns)), num_warps=num_warps)
+        BLOCK_Z=min(1024 // block_g, _pow2(replicas * columns)), num_warps=num_warps)
     _value_histogram_kernel[grid](
         table, kc, vc, p.archived_lengths, split_max, hist, weight_sum,
         *table.stride()[:3], *kc.stride(), *vc.stride(),
         split_max.stride(0), split_max.stride(1), hist.stride(0), hist.stride(1),
         weight_sum.stride(0), weight_sum.stride(1),
-        kv_heads, group, chunks, split_len, num_splits,
+        kv_heads, group, chunks, split_len, num_splits, columns, replicas,
         KEY_STAGES=key_stages, VALUE_STAGES=value_stages,
         VALUE_CODEBOOK_P=_pow2(value_codebook), BLOCK_G=block_g, BLOCK_N=block_n,
         BLOCK_S=_pow2(num_splits), num_warps=num_warps)
@@ -372,8 +381,9 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None,
         hist.stride(0), hist.stride(1),
         *vcb.stride()[:3],
         out.stride(0), out.stride(1),
-        kv_heads, group, chunks, num_splits, head_dim, value_codebook,
-        VALUE_STAGES=value_stages, VALUE_CODEBOOK_P=_pow2(value_codebook),
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_E=16, BLOCK_S=_pow2(num_splits),
-        BLOCK_C=16, num_warps=num_warps)
+        kv_heads, group, chunks, num_splits, head_dim, value_codebook, columns,
+        VALUE_STAGES=value_stages, VALUE_CODEBOOK_P=_pow2(value_codebook), REPLICAS=replicas,
+        BLOCK_G=block_g, BLOCK_M=max(16, block_g), BLOCK_D=block_d, BLOCK_E=16,
+        BLOCK_S=_pow2(num_splits), BLOCK_C=min(64, _pow2(value_codebook, 16)),
+        num_warps=num_warps)
     return out
