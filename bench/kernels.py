@@ -243,21 +243,27 @@ def speedup(row, base="sdpa", graph=False):
     return theirs / ours
 
 
-def print_table(data):
+def print_table(data, min_context=0):
+    """A markdown table of the results (speed-ups are SDPA time / kernel time)."""
     bw = data["copy_bandwidth_bytes_per_s"]
-    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
-    head = ("shape", "stages", "ctx", "batch", "rvq ms", "sdpa ms", "flash ms", "x sdpa",
-            "x flash", "x sdpa graph", "rvq GB/s", "roofline ms")
-    print(" | ".join(head))
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)\n")
+    head = ("shape", "K+V stages", "context", "batch", "RVQ ms", "SDPA ms", "flash ms",
+            "x SDPA", "x flash", "RVQ graph ms", "SDPA graph ms", "x SDPA graph",
+            "B/token RVQ", "B/token dense", "RVQ roofline ms")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
     for r in data["results"]:
-        best_dense = r["sdpa_ms"]
+        if r["context"] < min_context:
+            continue
+        tokens = r["context"] * r["batch"]
         cells = [r["shape"], f"{r['key_stages']}+{r['value_stages']}", r["context"], r["batch"],
-                 fmt(r["rvq_ms"]), fmt(best_dense), fmt(r["sdpa_flash_ms"]),
+                 fmt(r["rvq_ms"]), fmt(r["sdpa_ms"]), fmt(r["sdpa_flash_ms"]),
                  fmt(speedup(r), 2), fmt(speedup(r, "sdpa_flash"), 2),
+                 fmt(r["rvq_graph_ms"]), fmt(r["sdpa_graph_ms"]),
                  fmt(speedup(r, graph=True), 2),
-                 fmt(r["rvq_bytes"] / (r["rvq_ms"] * 1e-3) / 1e9, 0),
-                 fmt(r["rvq_bytes"] / bw * 1e3)]
-        print(" | ".join(str(c) for c in cells))
+                 fmt(r["rvq_bytes"] / tokens, 1), fmt(r["dense_bytes"] / tokens, 0),
+                 fmt(r["rvq_bytes"] / bw * 1e3, 4)]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
 def fmt(x, digits=3):
@@ -352,6 +358,7 @@ def main(argv=None):
     parser.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph timings")
     parser.add_argument("--plot", metavar="JSON", help="only draw the figure from a results file")
     parser.add_argument("--figure", default="docs/kernels.png")
+    parser.add_argument("--min-context", type=int, default=0, help="table rows from this context")
     parser.add_argument("--graph-figure", default="docs/kernels_graph.png")
     parser.add_argument("--profile", metavar="JSON",
                         help="only time each of the kernel's launches on a few configurations")
@@ -359,7 +366,7 @@ def main(argv=None):
 
     if args.plot:
         data = json.loads(Path(args.plot).read_text())
-        print_table(data)
+        print_table(data, args.min_context)
         plot(data, args.figure)
         plot(data, args.graph_figure, graph=True)
         return
