@@ -183,7 +183,10 @@ def check_correctness(device):
     return rows
 
 
-def run_grid(contexts, batches, device, graphs: bool, variant_under_test: str = "onehot"):
+def run_grid(contexts, batches, device, graphs: bool, variant_under_test: str = "onehot",
+             compare=("atomic",), on_row=None):
+    """Rows of timings; ``compare``: further kernel variants timed beside the one under test
+    (keys ``<variant>_ms``...); ``on_row(results)`` after each row (partial saves)."""
     import torch
     from tqdm import tqdm
 
@@ -226,7 +229,8 @@ def run_grid(contexts, batches, device, graphs: bool, variant_under_test: str = 
                                              for t in case.values()),
                        dense_cache_bytes=2 * batch * hkv * context * d * 2)
             # "rvq": the variant under test; "atomic": the histogram-by-atomics baseline
-            for prefix, variant in (("rvq", variant_under_test), ("atomic", "atomic")):
+            for prefix, variant in (("rvq", variant_under_test),
+                                    *((v, v) for v in compare if v != variant_under_test)):
                 row[f"{prefix}_variant"] = variant
                 row.update(time_variant(problem, variant, prefix, graphs))
             for label, rec in dense.items():
@@ -234,6 +238,8 @@ def run_grid(contexts, batches, device, graphs: bool, variant_under_test: str = 
                 row[f"{label}_graph_ms"] = rec["graph_ms"]
                 row[f"{label}_extra_peak_bytes"] = rec["extra_peak_bytes"]
             results.append(row)
+            if on_row is not None:
+                on_row(results)
             del case, problem
             torch.cuda.empty_cache()
     return results
@@ -262,6 +268,7 @@ SWEPT = [("qwen3-8b", (2, 2), 32768, 1), ("qwen3-8b", (4, 2), 65536, 8),
          ("gpt2", (4, 2), 131072, 8)]
 # (warps, pipelining stages, positions per step as a multiple of the default)
 TUNINGS = [(4, None, 1), (8, None, 1), (4, 1, 1), (8, None, 2)]
+ONLINE_TUNING = (4, None, 1)  # the running-maximum form is timed with this tuning only
 
 
 def sweep_splits(device, waves=(2, 4, 8, 16)):
@@ -278,10 +285,12 @@ def sweep_splits(device, waves=(2, 4, 8, 16)):
         base_n = _rvq_onehot.plan_for(problem).block_n
         for wave in waves:
             splits = _rvq_onehot.choose_num_splits(problem, waves=wave)
-            for nw, ns, n_mult in TUNINGS:
-                def fn(splits=splits, nw=nw, ns=ns, bn=base_n * n_mult, problem=problem):
+            tunings = [(*t, False) for t in TUNINGS] + [(*ONLINE_TUNING, True)]
+            for nw, ns, n_mult, online in tunings:
+                def fn(splits=splits, nw=nw, ns=ns, bn=base_n * n_mult, problem=problem,
+                       online=online):
                     return _rvq_onehot.decode(problem, num_splits=splits, num_warps=nw,
-                                              num_stages=ns, block_n=bn)
+                                              num_stages=ns, block_n=bn, online=online)
 
                 try:
                     fn()
@@ -292,9 +301,10 @@ def sweep_splits(device, waves=(2, 4, 8, 16)):
                 rows.append({"shape": name, "key_stages": stages[0], "value_stages": stages[1],
                              "context": context, "batch": batch, "waves": wave,
                              "num_splits": splits, "num_warps": nw, "num_stages": ns,
-                             "block_n": base_n * n_mult, "graph_ms": ms})
+                             "block_n": base_n * n_mult, "online": online, "graph_ms": ms})
                 print(f"sweep {name} {stages} ctx={context} b={batch} waves={wave} "
-                      f"splits={splits} warps={nw} stages={ns} block_n={base_n * n_mult}: "
+                      f"splits={splits} warps={nw} stages={ns} block_n={base_n * n_mult} "
+                      f"online={online}: "
                       f"{fmt(ms)} ms", flush=True)
         del case, problem
         torch.cuda.empty_cache()
@@ -435,6 +445,8 @@ def main(argv=None):
     parser.add_argument("--min-context", type=int, default=0, help="table rows from this context")
     parser.add_argument("--graph-figure", default="docs/kernels_graph.png")
     parser.add_argument("--variant", default="onehot", help="kernel variant under test")
+    parser.add_argument("--compare", nargs="*", default=["atomic"],
+                        help="variants timed beside it")
     parser.add_argument("--sweep", action="store_true",
                         help="also time the one-hot kernel over split counts and warps")
     parser.add_argument("--skip-correctness", action="store_true")
@@ -461,6 +473,8 @@ def main(argv=None):
     contexts = args.contexts or ([4096, 32768] if args.quick else
                                  [4096, 16384, 32768, 65536, 131072])
     batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name(device),
@@ -469,16 +483,23 @@ def main(argv=None):
         "codebook_size": CODEBOOK_SIZE,
         "sinks": SINKS,
         "recent": RECENT,
+        "variant": args.variant,
         "copy_bandwidth_bytes_per_s": copy_bandwidth(device),
-        "correctness": [] if args.skip_correctness else check_correctness(device),
-        "results": run_grid(contexts, batches, device, graphs=not args.no_graphs,
-                            variant_under_test=args.variant),
+        "results": [],
     }
+
+    def save(results=None):
+        if results is not None:
+            data["results"] = results
+        out.write_text(json.dumps(data, indent=1))
+
+    data["correctness"] = [] if args.skip_correctness else check_correctness(device)
+    save()
+    run_grid(contexts, batches, device, graphs=not args.no_graphs,
+             variant_under_test=args.variant, compare=args.compare, on_row=save)
     if args.sweep:
         data["sweep"] = sweep_splits(device)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1))
+        save()
     print_table(data)
     print(f"wrote {out}")
 

@@ -35,6 +35,8 @@ MAX_ACC = 4096  # float32 histogram entries per program (registers)
 MAX_A = 4096  # entries of the left one-hot operand per block (more spills registers)
 MAX_TABLE_BYTES = 256 << 20  # scratch for the per-program score tables
 MAX_SPLITS = 1024
+REF_HEADROOM = tl.constexpr(8.0)  # weights up to 2^8 against the score bound (float16 safe)
+REF_SLACK = tl.constexpr(4.0)  # best weight below 2^-4: redo the split with its true maximum
 
 
 @triton.jit
@@ -59,6 +61,90 @@ def _exact_part(q, k_base, v_base, n_tokens, m, l, acc, k_sn, v_sn, d, d_ok, qk_
 
 
 @triton.jit
+def _weights_pass(tab, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
+                  KEY_STAGES: tl.constexpr, VALUE_STAGES: tl.constexpr,
+                  VALUE_STAGES_P: tl.constexpr, KEY_CODEBOOK_P: tl.constexpr,
+                  HI: tl.constexpr, LO: tl.constexpr, LO_BITS: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Value histogram, weight sum and largest score of positions [start, end) against the
+    reference ``m``: W[s, (g, hi), lo] += (p[g, n] [hi_code == hi]) @ [lo_code == lo]."""
+    rows = tl.arange(0, BLOCK_G)
+    hi_ar = tl.arange(0, HI)
+    lo_ar = tl.arange(0, LO)
+    vs = tl.arange(0, VALUE_STAGES_P)
+    acc = tl.zeros([VALUE_STAGES_P, BLOCK_G * HI, LO], tl.float32)
+    l = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+    top = tl.full([BLOCK_G, BLOCK_N], float("-inf"), tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        score = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+        for s in tl.static_range(KEY_STAGES):
+            code = tl.load(kc_base + n * kc_sn + s * kc_ss, mask=n_ok, other=0).to(tl.int32)
+            score += tl.load(tab + (s * BLOCK_G + rows[:, None]) * KEY_CODEBOOK_P
+                             + code[None, :])
+        score = tl.where(g_ok[:, None] & n_ok[None, :], score, float("-inf"))
+        top = tl.maximum(top, score)
+        p = tl.math.exp2(score - m[:, None]).to(tl.float16)
+        l += p.to(tl.float32)
+        # codes of padded stages and positions are -1: their high part matches no row
+        vcode = tl.load(vc_base + n[None, :] * vc_sn + vs[:, None] * vc_ss,
+                        mask=(vs[:, None] < VALUE_STAGES) & n_ok[None, :],
+                        other=-1).to(tl.int32)
+        hi_code = vcode >> LO_BITS
+        lo_code = vcode & (LO - 1)
+        left = tl.where(hi_code[:, None, None, :] == hi_ar[None, None, :, None],
+                        p[None, :, None, :], 0.0).to(tl.float16)
+        left = tl.reshape(left, (VALUE_STAGES_P, BLOCK_G * HI, BLOCK_N))
+        right = (lo_code[:, :, None] == lo_ar[None, None, :]).to(tl.float16)
+        acc = tl.dot(left, right, acc)
+    return acc, tl.sum(l, axis=1), tl.max(top, axis=1)
+
+
+@triton.jit
+def _weights_pass_online(tab, kc_base, vc_base, start, end, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
+                         KEY_STAGES: tl.constexpr, VALUE_STAGES: tl.constexpr,
+                         VALUE_STAGES_P: tl.constexpr, KEY_CODEBOOK_P: tl.constexpr,
+                         HI: tl.constexpr, LO: tl.constexpr, LO_BITS: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+    """As ``_weights_pass``, against a running maximum (rescaling the histogram per block)."""
+    rows = tl.arange(0, BLOCK_G)
+    hi_ar = tl.arange(0, HI)
+    lo_ar = tl.arange(0, LO)
+    vs = tl.arange(0, VALUE_STAGES_P)
+    m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([VALUE_STAGES_P, BLOCK_G * HI, LO], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        score = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+        for s in tl.static_range(KEY_STAGES):
+            code = tl.load(kc_base + n * kc_sn + s * kc_ss, mask=n_ok, other=0).to(tl.int32)
+            score += tl.load(tab + (s * BLOCK_G + rows[:, None]) * KEY_CODEBOOK_P
+                             + code[None, :])
+        score = tl.where(g_ok[:, None] & n_ok[None, :], score, float("-inf"))
+        m_new = tl.maximum(m, tl.max(score, axis=1))
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(score - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        alpha_rows = tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_G, HI)), (BLOCK_G * HI,))
+        acc = acc * alpha_rows[None, :, None]
+        m = m_new
+        vcode = tl.load(vc_base + n[None, :] * vc_sn + vs[:, None] * vc_ss,
+                        mask=(vs[:, None] < VALUE_STAGES) & n_ok[None, :],
+                        other=-1).to(tl.int32)
+        hi_code = vcode >> LO_BITS
+        lo_code = vcode & (LO - 1)
+        left = tl.where(hi_code[:, None, None, :] == hi_ar[None, None, :, None],
+                        p.to(tl.float16)[None, :, None, :], 0.0).to(tl.float16)
+        left = tl.reshape(left, (VALUE_STAGES_P, BLOCK_G * HI, BLOCK_N))
+        right = (lo_code[:, :, None] == lo_ar[None, None, :]).to(tl.float16)
+        acc = tl.dot(left, right, acc)
+    return acc, l, m
+
+
+@triton.jit
 def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                   sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr,
                   tab_ptr, hist_ptr, o_ptr, ml_ptr, qk_scale,
@@ -75,7 +161,7 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                   HI: tl.constexpr, LO: tl.constexpr, LO_BITS: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
-                  TABLE_IEEE: tl.constexpr):
+                  BLOCK_B: tl.constexpr, TABLE_IEEE: tl.constexpr, ONLINE: tl.constexpr):
     split = tl.program_id(0)
     pid_bhg = tl.program_id(1)
     chunk = pid_bhg % GROUP_CHUNKS
@@ -130,46 +216,45 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
 
             g = chunk * BLOCK_G + tl.arange(0, BLOCK_G)
             g_ok = g < GROUP
-            hi_ar = tl.arange(0, HI)
-            lo_ar = tl.arange(0, LO)
-            vs = tl.arange(0, VALUE_STAGES_P)
             kc_base = kc_ptr + b * kc_sb + kvh * kc_sh
             vc_base = vc_ptr + b * vc_sb + kvh * vc_sh
-            m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
-            l = tl.zeros([BLOCK_G], tl.float32)
-            acc = tl.zeros([VALUE_STAGES_P, BLOCK_G * HI, LO], tl.float32)
-            for n0 in range(start, end, BLOCK_N):
-                n = n0 + tl.arange(0, BLOCK_N)
-                n_ok = n < end
-                score = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+            if ONLINE:
+                acc, l, m = _weights_pass_online(
+                    tab, kc_base, vc_base, start, end, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
+                    KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO, LO_BITS,
+                    BLOCK_G, BLOCK_N)
+            else:
+                # a fixed softmax reference instead of a running maximum: no per-block reductions
+                # or rescaling. The largest score any position could reach is the sum over stages
+                # of the table's row maxima; weights are at most 2^REF_HEADROOM in float16.
+                bound = tl.zeros([BLOCK_G], tl.float32)
                 for s in tl.static_range(KEY_STAGES):
-                    code = tl.load(kc_base + n * kc_sn + s * kc_ss, mask=n_ok,
-                                   other=0).to(tl.int32)
-                    score += tl.load(tab + (s * BLOCK_G + tl.arange(0, BLOCK_G)[:, None])
-                                     * KEY_CODEBOOK_P + code[None, :])
-                score = tl.where(g_ok[:, None] & n_ok[None, :], score, float("-inf"))
-                m_new = tl.maximum(m, tl.max(score, axis=1))
-                alpha = tl.math.exp2(m - m_new)
-                p = tl.math.exp2(score - m_new[:, None])
-                l = l * alpha + tl.sum(p, axis=1)
-                alpha_rows = tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_G, HI)),
-                                        (BLOCK_G * HI,))
-                acc = acc * alpha_rows[None, :, None]
-                m = m_new
-                # codes of padded stages and positions are -1: their high part matches no row
-                vcode = tl.load(vc_base + n[None, :] * vc_sn + vs[:, None] * vc_ss,
-                                mask=(vs[:, None] < VALUE_STAGES) & n_ok[None, :],
-                                other=-1).to(tl.int32)
-                hi_code = vcode >> LO_BITS
-                lo_code = vcode & (LO - 1)
-                left = tl.where(hi_code[:, None, None, :] == hi_ar[None, None, :, None],
-                                p.to(tl.float16)[None, :, None, :], 0.0).to(tl.float16)
-                left = tl.reshape(left, (VALUE_STAGES_P, BLOCK_G * HI, BLOCK_N))
-                right = (lo_code[:, :, None] == lo_ar[None, None, :]).to(tl.float16)
-                acc = tl.dot(left, right, acc)
+                    top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                    for c0 in range(0, KEY_CODEBOOK, BLOCK_B):
+                        cb_ = c0 + tl.arange(0, BLOCK_B)
+                        t = tl.load(tab + (s * BLOCK_G + tl.arange(0, BLOCK_G)[:, None])
+                                    * KEY_CODEBOOK_P + cb_[None, :],
+                                    mask=cb_[None, :] < KEY_CODEBOOK, other=float("-inf"))
+                        top = tl.maximum(top, tl.max(t, axis=1))
+                    bound += top
+                m = bound - REF_HEADROOM
+                acc, l, top = _weights_pass(
+                    tab, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
+                    KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO, LO_BITS,
+                    BLOCK_G, BLOCK_N)
+                # float16 keeps full precision down to 2^-14: if the best position lies far below
+                # the bound, the weights near it would lose digits; redo with the true maximum
+                if tl.max(tl.where(g_ok, m - top, 0.0), axis=0) > REF_SLACK:
+                    m = tl.where(g_ok, top, m)
+                    acc, l, top = _weights_pass(
+                        tab, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
+                        KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO, LO_BITS,
+                        BLOCK_G, BLOCK_N)
 
             # histogram times value codebooks: [heads, stages * centroids] @ [.., head_dim]
             rows3 = tl.arange(0, BLOCK_G * HI)
+            vs = tl.arange(0, VALUE_STAGES_P)
+            lo_ar = tl.arange(0, LO)
             tl.store(hist + vs[:, None, None] * (BLOCK_G * HI * LO) + rows3[None, :, None] * LO
                      + lo_ar[None, None, :], acc)
             tl.debug_barrier()
@@ -297,8 +382,12 @@ def choose_num_splits(problem: DecodeProblem, waves: int = SPLIT_WAVES) -> int:
 
 
 def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
-           num_stages: int | None = None, block_n: int | None = None) -> torch.Tensor:
+           num_stages: int | None = None, block_n: int | None = None,
+           online: bool = False) -> torch.Tensor:
     """Run the split and combine kernels on a validated problem; ``(batch, q_heads, head_dim)``.
+
+    ``online``: a running maximum rescaled per block instead of the fixed score bound (with a
+    second pass where the bound lies far above the best score).
 
     ``num_stages`` (software pipelining depth) and ``block_n`` (positions per step, a power of
     two >= 16) override the defaults, for tuning.
@@ -357,7 +446,8 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
         VALUE_STAGES_P=plan.value_stages_p, KEY_CODEBOOK_P=plan.key_codebook_p,
         HI=plan.hi, LO=plan.lo, LO_BITS=plan.lo_bits,
         BLOCK_G=plan.block_g, BLOCK_M=max(16, plan.block_g), BLOCK_N=block_n,
-        BLOCK_D=block_d, BLOCK_C=32, BLOCK_E=16, TABLE_IEEE=table_ieee,
+        BLOCK_D=block_d, BLOCK_C=32, BLOCK_E=16, BLOCK_B=min(256, plan.key_codebook_p),
+        TABLE_IEEE=table_ieee, ONLINE=online,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=device)
     _combine_kernel[(batch * q_heads,)](

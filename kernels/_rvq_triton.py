@@ -300,7 +300,7 @@ def choose_num_splits(problem: DecodeProblem) -> int:
     return max(1, min(wanted, math.ceil(capacity / block_positions(group)), 1024))
 
 
-VARIANTS = ("onehot", "atomic")
+VARIANTS = ("onehot", "onehot_online", "atomic")
 DEFAULT_VARIANT = "atomic"
 
 
@@ -309,18 +309,20 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     """Decode attention on a validated problem; returns ``(batch, q_heads, head_dim)``.
 
     ``variant``: ``"onehot"`` (``kernels/_rvq_onehot.py``: histogram by one-hot products,
-    two launches) or ``"atomic"`` (this module: histogram by atomic adds, four launches);
+    two launches; ``"onehot_online"`` the same with a running softmax maximum) or
+    ``"atomic"`` (this module: histogram by atomic adds, four launches);
     ``None`` picks ``DEFAULT_VARIANT``. Problems the one-hot kernel cannot hold (value
     histograms above its register budget) run the atomic one.
     """
     variant = DEFAULT_VARIANT if variant is None else variant
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    if variant == "onehot":
+    if variant.startswith("onehot"):
         from kernels import _rvq_onehot
 
         if _rvq_onehot.supports(problem, num_splits):
-            return _rvq_onehot.decode(problem, num_splits=num_splits, num_warps=num_warps)
+            return _rvq_onehot.decode(problem, num_splits=num_splits, num_warps=num_warps,
+                                      online=variant == "onehot_online")
     return decode_atomic(problem, num_splits=num_splits, num_warps=num_warps)
 
 
