@@ -4,7 +4,9 @@ One query token per sequence, one layer's attention op. For every (model shape, 
 context, batch) the script times, in the same process with CUDA events
 (``triton.testing.do_bench``, median):
 
-* ``rvq``: the Triton kernel on the coded cache (4 exact sinks + archived codes + 32 exact recent);
+* ``rvq``: a Triton kernel variant (``--variant``, default the one-hot kernel) on the coded cache
+  (4 exact sinks + archived codes + 32 exact recent), and beside it the variants of
+  ``--compare`` (default the atomic kernel; keys ``atomic_ms`` ...);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on the dense fp16 K/V with the
   backend torch picks, and ``sdpa_flash`` with the flash backend forced (``None`` where it refuses);
 * the same three under CUDA-graph replay (``do_bench_cudagraph``), which removes the host's
@@ -17,6 +19,7 @@ kernel against the float32 reference on the GPU, and records the extra peak memo
     python bench/kernels.py --quick             # a small grid
     python bench/kernels.py --profile bench/results/kernels_profile.json   # per launch
     python bench/kernels.py --plot bench/results/kernels.json   # table + docs/kernels*.png
+    python bench/kernels.py --sweep ...          # also split counts / warps / pipelining
 """
 
 from __future__ import annotations
@@ -268,7 +271,6 @@ SWEPT = [("qwen3-8b", (2, 2), 32768, 1), ("qwen3-8b", (4, 2), 65536, 8),
          ("gpt2", (4, 2), 131072, 8)]
 # (warps, pipelining stages, positions per step as a multiple of the default)
 TUNINGS = [(4, None, 1), (8, None, 1), (4, 1, 1), (8, None, 2)]
-ONLINE_TUNING = (4, None, 1)  # the running-maximum form is timed with this tuning only
 
 
 def sweep_splits(device, waves=(2, 4, 8, 16)):
@@ -285,12 +287,10 @@ def sweep_splits(device, waves=(2, 4, 8, 16)):
         base_n = _rvq_onehot.plan_for(problem).block_n
         for wave in waves:
             splits = _rvq_onehot.choose_num_splits(problem, waves=wave)
-            tunings = [(*t, False) for t in TUNINGS] + [(*ONLINE_TUNING, True)]
-            for nw, ns, n_mult, online in tunings:
-                def fn(splits=splits, nw=nw, ns=ns, bn=base_n * n_mult, problem=problem,
-                       online=online):
+            for nw, ns, n_mult in TUNINGS:
+                def fn(splits=splits, nw=nw, ns=ns, bn=base_n * n_mult, problem=problem):
                     return _rvq_onehot.decode(problem, num_splits=splits, num_warps=nw,
-                                              num_stages=ns, block_n=bn, online=online)
+                                              num_stages=ns, block_n=bn)
 
                 try:
                     fn()
@@ -301,10 +301,9 @@ def sweep_splits(device, waves=(2, 4, 8, 16)):
                 rows.append({"shape": name, "key_stages": stages[0], "value_stages": stages[1],
                              "context": context, "batch": batch, "waves": wave,
                              "num_splits": splits, "num_warps": nw, "num_stages": ns,
-                             "block_n": base_n * n_mult, "online": online, "graph_ms": ms})
+                             "block_n": base_n * n_mult, "graph_ms": ms})
                 print(f"sweep {name} {stages} ctx={context} b={batch} waves={wave} "
-                      f"splits={splits} warps={nw} stages={ns} block_n={base_n * n_mult} "
-                      f"online={online}: "
+                      f"splits={splits} warps={nw} stages={ns} block_n={base_n * n_mult}: "
                       f"{fmt(ms)} ms", flush=True)
         del case, problem
         torch.cuda.empty_cache()

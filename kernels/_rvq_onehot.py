@@ -5,7 +5,10 @@ Two launches per call:
 1. ``_split_kernel``: one program per (sequence split, batch, kv head, query-head chunk), plus
    one extra program per (batch, kv head, chunk) for the exact sink and recent tokens. An
    archive program first writes its own score table ``q . C_k[stage, c]`` (times
-   ``scale * log2(e)``) to scratch, then walks its positions in blocks with an online softmax.
+   ``scale * log2(e)``) to scratch, then walks its positions in blocks. Weights are taken
+   against a fixed reference, the largest score the table allows (the sum over key stages of
+   each stage's best centroid), so no block needs a reduction or a rescale; a split whose best
+   score lies far below that bound is walked a second time against its true maximum.
    The value histogram ``W[stage, head, c]`` (total weight of the positions whose value code
    at that stage is ``c``) is accumulated with ``tl.dot`` instead of atomic adds: a code is
    split into a high and a low part, ``c = hi * LO + lo``, and
@@ -15,7 +18,7 @@ Two launches per call:
    is one batched matrix product per block whose operands are built with
    ``heads * HI + LO`` comparisons per position and stage (instead of ``codebook_size``).
    Each program finishes with the histogram times the value codebooks, and writes its partial
-   output with its softmax maximum and weight sum (flash-decoding style).
+   output with its softmax reference and weight sum (flash-decoding style).
 2. ``_combine_kernel``: one program per (batch, query head) merges the partials.
 """
 
@@ -102,49 +105,6 @@ def _weights_pass(tab, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_s
 
 
 @triton.jit
-def _weights_pass_online(tab, kc_base, vc_base, start, end, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
-                         KEY_STAGES: tl.constexpr, VALUE_STAGES: tl.constexpr,
-                         VALUE_STAGES_P: tl.constexpr, KEY_CODEBOOK_P: tl.constexpr,
-                         HI: tl.constexpr, LO: tl.constexpr, LO_BITS: tl.constexpr,
-                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
-    """As ``_weights_pass``, against a running maximum (rescaling the histogram per block)."""
-    rows = tl.arange(0, BLOCK_G)
-    hi_ar = tl.arange(0, HI)
-    lo_ar = tl.arange(0, LO)
-    vs = tl.arange(0, VALUE_STAGES_P)
-    m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([VALUE_STAGES_P, BLOCK_G * HI, LO], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < end
-        score = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
-        for s in tl.static_range(KEY_STAGES):
-            code = tl.load(kc_base + n * kc_sn + s * kc_ss, mask=n_ok, other=0).to(tl.int32)
-            score += tl.load(tab + (s * BLOCK_G + rows[:, None]) * KEY_CODEBOOK_P
-                             + code[None, :])
-        score = tl.where(g_ok[:, None] & n_ok[None, :], score, float("-inf"))
-        m_new = tl.maximum(m, tl.max(score, axis=1))
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(score - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        alpha_rows = tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_G, HI)), (BLOCK_G * HI,))
-        acc = acc * alpha_rows[None, :, None]
-        m = m_new
-        vcode = tl.load(vc_base + n[None, :] * vc_sn + vs[:, None] * vc_ss,
-                        mask=(vs[:, None] < VALUE_STAGES) & n_ok[None, :],
-                        other=-1).to(tl.int32)
-        hi_code = vcode >> LO_BITS
-        lo_code = vcode & (LO - 1)
-        left = tl.where(hi_code[:, None, None, :] == hi_ar[None, None, :, None],
-                        p.to(tl.float16)[None, :, None, :], 0.0).to(tl.float16)
-        left = tl.reshape(left, (VALUE_STAGES_P, BLOCK_G * HI, BLOCK_N))
-        right = (lo_code[:, :, None] == lo_ar[None, None, :]).to(tl.float16)
-        acc = tl.dot(left, right, acc)
-    return acc, l, m
-
-
-@triton.jit
 def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                   sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr,
                   tab_ptr, hist_ptr, o_ptr, ml_ptr, qk_scale,
@@ -161,7 +121,7 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                   HI: tl.constexpr, LO: tl.constexpr, LO_BITS: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_B: tl.constexpr, TABLE_IEEE: tl.constexpr, ONLINE: tl.constexpr):
+                  BLOCK_B: tl.constexpr, TABLE_IEEE: tl.constexpr):
     split = tl.program_id(0)
     pid_bhg = tl.program_id(1)
     chunk = pid_bhg % GROUP_CHUNKS
@@ -218,38 +178,32 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
             g_ok = g < GROUP
             kc_base = kc_ptr + b * kc_sb + kvh * kc_sh
             vc_base = vc_ptr + b * vc_sb + kvh * vc_sh
-            if ONLINE:
-                acc, l, m = _weights_pass_online(
-                    tab, kc_base, vc_base, start, end, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
-                    KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO, LO_BITS,
-                    BLOCK_G, BLOCK_N)
-            else:
-                # a fixed softmax reference instead of a running maximum: no per-block reductions
-                # or rescaling. The largest score any position could reach is the sum over stages
-                # of the table's row maxima; weights are at most 2^REF_HEADROOM in float16.
-                bound = tl.zeros([BLOCK_G], tl.float32)
-                for s in tl.static_range(KEY_STAGES):
-                    top = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                    for c0 in range(0, KEY_CODEBOOK, BLOCK_B):
-                        cb_ = c0 + tl.arange(0, BLOCK_B)
-                        t = tl.load(tab + (s * BLOCK_G + tl.arange(0, BLOCK_G)[:, None])
-                                    * KEY_CODEBOOK_P + cb_[None, :],
-                                    mask=cb_[None, :] < KEY_CODEBOOK, other=float("-inf"))
-                        top = tl.maximum(top, tl.max(t, axis=1))
-                    bound += top
-                m = bound - REF_HEADROOM
+            # a fixed softmax reference instead of a running maximum: no per-block reductions
+            # or rescaling. The largest score any position could reach is the sum over stages
+            # of the table's row maxima; weights are at most 2^REF_HEADROOM in float16.
+            bound = tl.zeros([BLOCK_G], tl.float32)
+            for s in tl.static_range(KEY_STAGES):
+                top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                for c0 in range(0, KEY_CODEBOOK, BLOCK_B):
+                    cb_ = c0 + tl.arange(0, BLOCK_B)
+                    t = tl.load(tab + (s * BLOCK_G + tl.arange(0, BLOCK_G)[:, None])
+                                * KEY_CODEBOOK_P + cb_[None, :],
+                                mask=cb_[None, :] < KEY_CODEBOOK, other=float("-inf"))
+                    top = tl.maximum(top, tl.max(t, axis=1))
+                bound += top
+            m = bound - REF_HEADROOM
+            acc, l, top = _weights_pass(
+                tab, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
+                KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO, LO_BITS,
+                BLOCK_G, BLOCK_N)
+            # float16 keeps full precision down to 2^-14: if the best position lies far below
+            # the bound, the weights near it would lose digits; redo with the true maximum
+            if tl.max(tl.where(g_ok, m - top, 0.0), axis=0) > REF_SLACK:
+                m = tl.where(g_ok, top, m)
                 acc, l, top = _weights_pass(
                     tab, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
                     KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO, LO_BITS,
                     BLOCK_G, BLOCK_N)
-                # float16 keeps full precision down to 2^-14: if the best position lies far below
-                # the bound, the weights near it would lose digits; redo with the true maximum
-                if tl.max(tl.where(g_ok, m - top, 0.0), axis=0) > REF_SLACK:
-                    m = tl.where(g_ok, top, m)
-                    acc, l, top = _weights_pass(
-                        tab, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
-                        KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO, LO_BITS,
-                        BLOCK_G, BLOCK_N)
 
             # histogram times value codebooks: [heads, stages * centroids] @ [.., head_dim]
             rows3 = tl.arange(0, BLOCK_G * HI)
@@ -363,11 +317,11 @@ def _chunks(problem: DecodeProblem, plan: Plan) -> int:
 
 
 SPLIT_WAVES = 4  # programs per multiprocessor aimed at (each has a fixed table + codebook cost)
-MIN_SPLIT_LEN = 256
+MIN_SPLIT_LEN = 1024  # H200: 1K positions per split beat 512 at batch 1 (fixed table cost)
 
 
 def choose_num_splits(problem: DecodeProblem, waves: int = SPLIT_WAVES) -> int:
-    """Splits so that about ``waves`` programs per multiprocessor run, none shorter than 256."""
+    """Splits so that about ``waves`` programs per multiprocessor run, none shorter than 1024."""
     capacity = problem.key_codes.shape[2]
     if capacity == 0:
         return 1
@@ -382,12 +336,8 @@ def choose_num_splits(problem: DecodeProblem, waves: int = SPLIT_WAVES) -> int:
 
 
 def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
-           num_stages: int | None = None, block_n: int | None = None,
-           online: bool = False) -> torch.Tensor:
+           num_stages: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """Run the split and combine kernels on a validated problem; ``(batch, q_heads, head_dim)``.
-
-    ``online``: a running maximum rescaled per block instead of the fixed score bound (with a
-    second pass where the bound lies far above the best score).
 
     ``num_stages`` (software pipelining depth) and ``block_n`` (positions per step, a power of
     two >= 16) override the defaults, for tuning.
@@ -447,7 +397,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
         HI=plan.hi, LO=plan.lo, LO_BITS=plan.lo_bits,
         BLOCK_G=plan.block_g, BLOCK_M=max(16, plan.block_g), BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_C=32, BLOCK_E=16, BLOCK_B=min(256, plan.key_codebook_p),
-        TABLE_IEEE=table_ieee, ONLINE=online,
+        TABLE_IEEE=table_ieee,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=device)
     _combine_kernel[(batch * q_heads,)](

@@ -36,13 +36,13 @@ def _assert_close(out, ref, dtype):
 
 
 def check(case, **kwargs):
-    """The public function (default variant), then every other kernel variant, on one case."""
+    """The public function (variant chosen per problem), then the other kernel variants."""
     out = rvq_decode_attention(**case, backend="triton", **kwargs)
     ref = reference_decode_attention(**case, out_dtype=torch.float32)
     _assert_close(out, ref, case["query"].dtype)
     problem = validate_decode_args(**case)
     for variant in _rvq_triton.VARIANTS:
-        if variant != _rvq_triton.DEFAULT_VARIANT:
+        if variant != _rvq_triton.choose_variant(problem):
             other = _rvq_triton.decode(problem, variant=variant,
                                        num_splits=kwargs.get("num_splits"))
             _assert_close(other, ref, case["query"].dtype)

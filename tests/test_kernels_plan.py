@@ -35,3 +35,20 @@ def test_plan_fits_tensor_core_operands(group, value_stages, value_codebook, key
 def test_plan_for_benchmark_shapes(group, expect_g, expect_hi, expect_lo):
     plan = Plan(group, 2, 256, 2, 256)  # GPT-2 (MHA) and Qwen3-8B (4 heads per kv head)
     assert (plan.block_g, plan.hi, plan.lo) == (expect_g, expect_hi, expect_lo)
+
+
+def test_variant_choice_and_bad_variant():
+    import torch
+    from kernels_cases import make_case
+
+    from kernels import _rvq_triton
+    from kernels._validate import validate_decode_args
+
+    def problem(**kw):
+        return validate_decode_args(**make_case(**kw))
+
+    assert _rvq_triton.choose_variant(problem(batch=1, q_heads=8, kv_heads=2)) == "onehot"
+    assert _rvq_triton.choose_variant(problem(batch=2, q_heads=8, kv_heads=2)) == "atomic"
+    assert _rvq_triton.choose_variant(problem(batch=1, q_heads=4, kv_heads=4)) == "atomic"
+    with pytest.raises(ValueError, match="variant"):
+        _rvq_triton.decode(problem(dtype=torch.float16), variant="fast")
