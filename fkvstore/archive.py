@@ -1048,7 +1048,7 @@ class TextStream(Stream):
         return self.bytes(start, stop).decode("utf-8", errors)
 
 
-# -- helpers ------------------------------------------------------------------------------------
+# -- opening files and small checks ------------------------------------------------------------
 def _checked_array(array, name: str) -> np.ndarray:
     arr = np.asarray(array)
     if arr.dtype.kind not in "biufcS":
