@@ -42,6 +42,7 @@ from fkvstore.errors import (
     StreamNotFoundError,
 )
 from fkvstore.layout import Commit
+from fkvstore.stream_search import SearchMixin
 
 __all__ = ["Archive", "Stream", "TextStream", "open"]
 
@@ -499,7 +500,7 @@ class _Staged:
         self.tail = tail
 
 
-class Stream:
+class Stream(SearchMixin):
     """Rows of ``width`` symbols from ``{0, ..., alphabet_size-1}``, stored in an archive.
 
     Reading: ``len(s)``, ``s[i]`` (shape (width,) int64, or an int when width == 1), ``s[i:j]``
@@ -528,6 +529,7 @@ class Stream:
         self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
         self._tail: np.ndarray | None = None
         self._detached = False
+        self._search_indexes = {}
         self._bind(group)
         self._load_commit()
 
@@ -897,6 +899,7 @@ class Stream:
                 f"cannot truncate stream {self.name!r} of {len(self)} rows to {n} rows"
             )
         c = self._commit
+        self._search_truncated(n)
         if n >= c.length:
             self._nbuf = n - c.length
             return
@@ -956,6 +959,7 @@ class Stream:
         if c.rewinds != old.rewinds:
             self._blocks.clear()
             self._crcs = []
+            self._search_rewound()
         else:
             self._blocks.pop(old.full_spans // B, None)
         have, need = len(self._crcs), c.full_spans // B
@@ -1038,6 +1042,13 @@ class TextStream(Stream):
         if isinstance(rows, (bytes, bytearray, memoryview)):
             rows = np.frombuffer(bytes(rows), dtype=np.uint8)
         return super().extend(rows)
+
+    def _search_query(self, query):
+        return query.encode("utf-8") if isinstance(query, str) else query
+
+    def context(self, pos: int, before: int = 32, after: int = 32, column=None) -> bytes:
+        """Bytes ``[pos - before, pos + after]`` (clipped) around a hit, from the store."""
+        return super().context(pos, before, after).astype(np.uint8).tobytes()
 
     def bytes(self, start: int = 0, stop: int | None = None) -> bytes:
         """Bytes ``[start, stop)`` of the stream."""

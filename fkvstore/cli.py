@@ -154,6 +154,39 @@ def cmd_append(args) -> int:
     return 0
 
 
+def cmd_search(args) -> int:
+    with fkvstore.open(args.file) as ar:
+        s = ar[args.stream]
+        if s.kind == "text":
+            query = args.query.encode("utf-8")
+        else:
+            try:
+                query = [int(v) for v in args.query.replace(",", " ").split()]
+            except ValueError:
+                raise SystemExit(
+                    f"fkv search: the query of a symbol stream is integers separated by spaces "
+                    f"or commas, got {args.query!r}"
+                ) from None
+        hits = s.search(query, column=args.column)
+        print(f"{len(hits)} hit(s) of {args.query!r} in {args.stream!r} ({len(s):,} rows)",
+              file=sys.stderr)
+        for p in hits[: args.limit].tolist():
+            start = p - len(query) + 1
+            if s.kind == "text":
+                before = s.bytes(max(0, start - args.context), start)
+                after = s.bytes(p + 1, min(len(s), p + 1 + args.context))
+                line = (before.decode("utf-8", "replace") + "[" + args.query + "]"
+                        + after.decode("utf-8", "replace"))
+                print(f"{start}:{p + 1}\t{line.replace(chr(10), ' ')}")
+            else:
+                ctx = s.context(p, len(query) - 1 + args.context, args.context,
+                                column=args.column)
+                print(f"{start}:{p + 1}\t{' '.join(str(v) for v in ctx.tolist())}")
+        if len(hits) > args.limit:
+            print(f"... {len(hits) - args.limit} more (--limit)", file=sys.stderr)
+    return 0
+
+
 def cmd_demo(args) -> int:
     from fkvstore import demo
 
@@ -189,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--alphabet-size", type=int, help="create a symbol stream if missing")
     a.add_argument("--width", type=int, default=1, help="with --alphabet-size (default 1)")
     a.add_argument("--geometry", choices=["grid", "ring"], default="grid")
+    f = sub.add_parser("search", help="exact substring search, hits printed with context")
+    f.add_argument("file")
+    f.add_argument("stream")
+    f.add_argument("query", help="text (text stream) or integers separated by spaces/commas")
+    f.add_argument("--column", type=int, default=0, help="column of a wide stream (default 0)")
+    f.add_argument("--context", type=int, default=30, help="rows shown on each side")
+    f.add_argument("--limit", type=int, default=20, help="hits printed at most")
     return p
 
 
@@ -198,6 +238,7 @@ COMMANDS = {
     "verify": cmd_verify,
     "get": cmd_get,
     "append": cmd_append,
+    "search": cmd_search,
 }
 
 

@@ -162,7 +162,35 @@ def step_reopen(st: DemoState) -> None:
         raise SystemExit("demo: the reopened archive differs from the text")
 
 
-STEPS = [step_archive, step_sizes, step_random_reads, step_append, step_reopen]
+def step_search(st: DemoState) -> None:
+    """Search the archive itself: exact hits with context, and the longest shared suffix."""
+    with fkvstore.open(st.out) as ar:
+        s = ar[STREAM]
+        t0 = time.perf_counter()
+        s.build_index()
+        built = time.perf_counter() - t0
+        query = "Time Traveller"
+        s.search("Weena")  # the first query loads the compiled kernels
+        t0 = time.perf_counter()
+        hits = s.search(query)
+        dt = time.perf_counter() - t0
+        expect = st.book.count(query.encode())  # no overlaps possible for this query
+        print(f"\nsearch index built from the archive in {1e3 * built:.0f} ms; "
+              f"{query!r}: {len(hits)} hits in {1e6 * dt:.0f} µs "
+              f"({'matches' if len(hits) == expect else 'DIFFERS FROM'} bytes.count: {expect})")
+        for p in hits[:3].tolist():
+            around = s.context(p, len(query) + 24, 24).decode("utf-8", "replace")
+            print(f"  ...{around.replace(chr(10), ' ')}...")
+        probe = "the Time Machine was"
+        positions, lengths = s.longest_suffix(probe, k=3)
+        for p, n in zip(positions.tolist(), lengths.tolist(), strict=True):
+            print(f"  longest suffix of {probe!r} at byte {p}: {n} bytes "
+                  f"({s.text(p - n + 1, p + 1)!r})")
+    if len(hits) != expect:
+        raise SystemExit("demo: search disagrees with a plain scan")
+
+
+STEPS = [step_archive, step_sizes, step_random_reads, step_append, step_reopen, step_search]
 
 
 def parser() -> argparse.ArgumentParser:

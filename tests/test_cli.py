@@ -109,3 +109,21 @@ def test_console_script_entry(tmp_path, archive):
         env=env,
     )
     assert res.returncode == 0 and res.stdout == "héllo wörld".encode()
+
+
+def test_search_command_prints_hits_with_context(tmp_path, capsys):
+    from fkvstore.cli import main
+
+    path = tmp_path / "s.h5"
+    with fkvstore.open(path, "w") as ar:
+        ar.create_text_stream("t").extend("one fish two fish red fish")
+        ar.create_stream("n", alphabet_size=10).extend([1, 2, 3, 1, 2, 9])
+    assert main(["search", str(path), "t", "fish", "--context", "4"]) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines() == ["4:8\tone [fish] two", "13:17\ttwo [fish] red",
+                                    "22:26\tred [fish]"]
+    assert "3 hit(s)" in out.err
+    assert main(["search", str(path), "n", "1,2", "--context", "1"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["0:2\t1 2 3", "3:5\t3 1 2 9"]
+    with pytest.raises(SystemExit, match="integers separated"):
+        main(["search", str(path), "n", "x"])
