@@ -10,7 +10,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-__all__ = ["KVShape", "SUPPORTED_MODEL_TYPES", "config_fingerprint", "kv_shape"]
+__all__ = ["KVShape", "SUPPORTED_MODEL_TYPES", "config_fingerprint", "kv_shape", "max_positions"]
 
 
 @dataclass(frozen=True)
@@ -39,21 +39,34 @@ class KVShape:
 
 def _gpt2(config) -> tuple[KVShape, dict]:
     if config.n_embd % config.n_head:
-        raise ValueError(f"gpt2 config: n_embd={config.n_embd} not divisible by n_head={config.n_head}")
+        raise ValueError(
+            f"gpt2 config: n_embd={config.n_embd} not divisible by n_head={config.n_head}"
+        )
     shape = KVShape("gpt2", config.n_layer, config.n_head, config.n_embd // config.n_head, False)
-    ident = {"n_positions": config.n_positions, "vocab_size": config.vocab_size,
-             "n_embd": config.n_embd}
+    ident = {
+        "n_positions": config.n_positions,
+        "vocab_size": config.vocab_size,
+        "n_embd": config.n_embd,
+    }
     return shape, ident
 
 
 def _qwen3(config) -> tuple[KVShape, dict]:
     if getattr(config, "use_sliding_window", False):
-        raise ValueError("qwen3 config with use_sliding_window=True is not supported (full attention only)")
+        raise ValueError(
+            "qwen3 config with use_sliding_window=True is not supported (full attention only)"
+        )
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = KVShape("qwen3", config.num_hidden_layers, config.num_key_value_heads, head_dim, True)
-    rope = getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", None)}
-    ident = {"hidden_size": config.hidden_size, "num_attention_heads": config.num_attention_heads,
-             "vocab_size": config.vocab_size, "rope_theta": rope.get("rope_theta")}
+    rope = getattr(config, "rope_parameters", None) or {
+        "rope_theta": getattr(config, "rope_theta", None)
+    }
+    ident = {
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "vocab_size": config.vocab_size,
+        "rope_theta": rope.get("rope_theta"),
+    }
     return shape, ident
 
 
@@ -66,7 +79,8 @@ def _adapt(config) -> tuple[KVShape, dict]:
     model_type = getattr(config, "model_type", None)
     if model_type not in _ADAPTERS:
         raise ValueError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"model_type {model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return _ADAPTERS[model_type](config)
 
@@ -74,6 +88,15 @@ def _adapt(config) -> tuple[KVShape, dict]:
 def kv_shape(config) -> KVShape:
     """KV cache shape of a transformers model or config (GPT-2 or Qwen3)."""
     return _adapt(config)[0]
+
+
+def max_positions(config) -> int:
+    """Longest sequence the model's position embedding covers."""
+    config = getattr(config, "config", config)
+    _adapt(config)
+    return int(
+        config.n_positions if config.model_type == "gpt2" else config.max_position_embeddings
+    )
 
 
 def config_fingerprint(config) -> str:

@@ -19,8 +19,16 @@ import numpy as np
 from model_adapters.adapters import KVShape, config_fingerprint, kv_shape
 from model_adapters.quantizer import KVQuantizer
 
-__all__ = ["CODES_STREAM", "ArchiveUnavailableError", "check_identity", "open_for_writing",
-           "read_codes", "read_quantizer", "window_arrays", "write_window"]
+__all__ = [
+    "CODES_STREAM",
+    "ArchiveUnavailableError",
+    "check_identity",
+    "open_for_writing",
+    "read_codes",
+    "read_quantizer",
+    "window_arrays",
+    "write_window",
+]
 
 CODES_STREAM = "codes"
 
@@ -48,8 +56,9 @@ def archive_available() -> bool:
     return True
 
 
-def open_for_writing(path, model_or_config, quantizer: KVQuantizer, *, sinks: int, recent: int,
-                     mode: str = "w"):
+def open_for_writing(
+    path, model_or_config, quantizer: KVQuantizer, *, sinks: int, recent: int, mode: str = "w"
+):
     """Create an archive for one model and quantizer; returns ``(archive, codes_stream)``.
 
     The codebooks and the model identity are written at once, so the file is self-contained
@@ -72,8 +81,12 @@ def open_for_writing(path, model_or_config, quantizer: KVQuantizer, *, sinks: in
     attrs["value_stages"] = quantizer.value_stages
     for name, arr in quantizer.to_arrays().items():
         ar.put_array(name, arr)
-    stream = ar.create_stream(CODES_STREAM, alphabet_size=quantizer.codebook_size,
-                              geometry="grid", width=quantizer.row_width)
+    stream = ar.create_stream(
+        CODES_STREAM,
+        alphabet_size=quantizer.codebook_size,
+        geometry="grid",
+        width=quantizer.row_width,
+    )
     return ar, stream
 
 
@@ -128,5 +141,7 @@ def read_quantizer(ar, model_or_config) -> KVQuantizer:
 
 def read_codes(ar) -> np.ndarray:
     """All code rows, ``(n, width)`` int64."""
-    return np.asarray(ar[CODES_STREAM].read() if hasattr(ar, "__getitem__") else
-                      ar.stream(CODES_STREAM).read(), dtype=np.int64)
+    return np.asarray(
+        ar[CODES_STREAM].read() if hasattr(ar, "__getitem__") else ar.stream(CODES_STREAM).read(),
+        dtype=np.int64,
+    )

@@ -23,7 +23,9 @@ def codes_to_rows(key_codes: list[np.ndarray], value_codes: list[np.ndarray]) ->
     Returns:
         ``(n, num_layers * kv_heads * (key_stages + value_stages))`` int64.
     """
-    per_layer = [np.concatenate([k, v], axis=-1) for k, v in zip(key_codes, value_codes)]
+    per_layer = [
+        np.concatenate([k, v], axis=-1) for k, v in zip(key_codes, value_codes, strict=True)
+    ]
     stacked = np.stack(per_layer)  # (layers, heads, n, sk+sv)
     n = stacked.shape[2]
     return np.ascontiguousarray(stacked.transpose(2, 0, 1, 3).reshape(n, -1)).astype(np.int64)
@@ -39,8 +41,13 @@ class CodeRows:
         keep: also keep every emitted row in memory (:meth:`all_rows`).
     """
 
-    def __init__(self, num_layers: int, sink: Callable[[np.ndarray], object] | None = None, *,
-                 keep: bool = False):
+    def __init__(
+        self,
+        num_layers: int,
+        sink: Callable[[np.ndarray], object] | None = None,
+        *,
+        keep: bool = False,
+    ):
         self.num_layers = num_layers
         self.sink = sink
         self.keep = keep or sink is None
@@ -59,7 +66,8 @@ class CodeRows:
         """
         if key_codes.shape[0] != 1:
             raise ValueError(
-                f"archiving codes needs batch size 1 (one row per token), got batch {key_codes.shape[0]}"
+                "archiving codes needs batch size 1 (one row per token), "
+                f"got batch {key_codes.shape[0]}"
             )
         self._pending[layer].append((key_codes[0].cpu().numpy(), value_codes[0].cpu().numpy()))
         self._counts[layer] += key_codes.shape[2]

@@ -83,7 +83,8 @@ def parse_config(name: str) -> QuantConfig:
         if not m:
             raise ValueError(
                 f"config {name!r} does not follow the grammar: exact, "
-                "{pooled|perhead}-k{K}-s{S}[-keysonly|-valuesonly], {pooled|perhead|hybrid}-k{K}-K{a}V{b}, "
+                "{pooled|perhead}-k{K}-s{S}[-keysonly|-valuesonly], "
+                "{pooled|perhead|hybrid}-k{K}-K{a}V{b}, "
                 "or all"
             )
         kind, k, ks, vs = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
@@ -92,8 +93,9 @@ def parse_config(name: str) -> QuantConfig:
         raise ValueError(f"config {name!r}: codebook size k={k} must be in [2, {_MAX_CODEBOOK}]")
     if s < 1 or ks > 16 or vs > 16:
         raise ValueError(f"config {name!r}: stage counts must be 1..16 (at least one nonzero)")
-    return QuantConfig(name, pooled=(kind == "pooled"), codebook_size=k, key_stages=ks,
-                       value_stages=vs)
+    return QuantConfig(
+        name, pooled=(kind == "pooled"), codebook_size=k, key_stages=ks, value_stages=vs
+    )
 
 
 def expand_configs(names) -> list[QuantConfig]:

@@ -30,8 +30,14 @@ class ArchivingLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, layer_idx: int, quantizer: KVQuantizer | None, sinks: int, recent: int,
-                 rows: CodeRows | None):
+    def __init__(
+        self,
+        layer_idx: int,
+        quantizer: KVQuantizer | None,
+        sinks: int,
+        recent: int,
+        rows: CodeRows | None,
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         self.quantizer = quantizer
@@ -48,7 +54,8 @@ class ArchivingLayer(DynamicLayer):
         start = max(self.archived_until, self.sinks)
         if end > start:
             kc, kr, vc, vr = self.quantizer.quantize(
-                self.layer_idx, keys[..., start:end, :], values[..., start:end, :])
+                self.layer_idx, keys[..., start:end, :], values[..., start:end, :]
+            )
             if self.quantizer.key_stages:
                 self.keys[..., start:end, :] = kr
             if self.quantizer.value_stages:
@@ -59,7 +66,9 @@ class ArchivingLayer(DynamicLayer):
         return self.keys, self.values
 
     def crop(self, tokens_to_remove: int) -> None:
-        keep = self.get_seq_length() + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
+        keep = (
+            self.get_seq_length() + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
+        )
         if keep < self.archived_until:
             raise ValueError(
                 f"cannot crop layer {self.layer_idx} to {keep} positions: positions up to "
@@ -87,32 +96,46 @@ class ArchivingCache(Cache):
     :func:`cache_kwarg` for the argument name this transformers version expects).
     """
 
-    def __init__(self, model_or_config, quantizer: KVQuantizer | None = None, *, sinks: int = 4,
-                 recent: int = 32, rows: CodeRows | None = None):
+    def __init__(
+        self,
+        model_or_config,
+        quantizer: KVQuantizer | None = None,
+        *,
+        sinks: int = 4,
+        recent: int = 32,
+        rows: CodeRows | None = None,
+    ):
         shape: KVShape = kv_shape(model_or_config)
         for name, v in (("sinks", sinks), ("recent", recent)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
         if quantizer is not None:
             if quantizer.shape != shape:
-                raise ValueError(f"quantizer was built for {quantizer.shape}, the model has {shape}")
+                raise ValueError(
+                    f"quantizer was built for {quantizer.shape}, the model has {shape}"
+                )
             if quantizer.key_stages == 0 and quantizer.value_stages == 0:
                 quantizer = None
         if rows is not None and quantizer is not None and rows.num_layers != shape.num_layers:
-            raise ValueError(f"rows collector has {rows.num_layers} layers, model has {shape.num_layers}")
+            raise ValueError(
+                f"rows collector has {rows.num_layers} layers, model has {shape.num_layers}"
+            )
         self.shape = shape
         self.quantizer = quantizer
         self.sinks = sinks
         self.recent = recent
         self.rows = rows
-        layers = [ArchivingLayer(i, quantizer, sinks, recent, rows) for i in range(shape.num_layers)]
+        layers = [
+            ArchivingLayer(i, quantizer, sinks, recent, rows) for i in range(shape.num_layers)
+        ]
         super().__init__(layers=layers)
 
     @property
     def archived_tokens(self) -> int:
         """Positions whose K/V are reconstructions (the same in every layer after a step)."""
-        return min((layer.archived_until - min(layer.archived_until, self.sinks))
-                   for layer in self.layers)
+        return min(
+            (layer.archived_until - min(layer.archived_until, self.sinks)) for layer in self.layers
+        )
 
 
 def cache_kwarg(model) -> str:

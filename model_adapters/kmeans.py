@@ -81,8 +81,11 @@ def kmeans_plus_plus(
     first = torch.randint(0, n, (groups,), generator=generator, device=dev)
     centres[:, 0] = points[rows, first]
     x_sq = (points * points).sum(-1)
-    best = (x_sq - 2 * torch.einsum("gnd,gd->gn", points, centres[:, 0])
-            + (centres[:, 0] ** 2).sum(-1, keepdim=True)).clamp_min_(0.0)
+    best = (
+        x_sq
+        - 2 * torch.einsum("gnd,gd->gn", points, centres[:, 0])
+        + (centres[:, 0] ** 2).sum(-1, keepdim=True)
+    ).clamp_min_(0.0)
     for j in range(1, k):
         weights = best.clone()
         # A group whose points all coincide with chosen centres: any point will do.
@@ -91,13 +94,16 @@ def kmeans_plus_plus(
         nxt = torch.multinomial(weights, 1, generator=generator).squeeze(1)
         centres[:, j] = points[rows, nxt]
         c = centres[:, j]
-        d = (x_sq - 2 * torch.einsum("gnd,gd->gn", points, c)
-             + (c * c).sum(-1, keepdim=True)).clamp_min_(0.0)
+        d = (
+            x_sq - 2 * torch.einsum("gnd,gd->gn", points, c) + (c * c).sum(-1, keepdim=True)
+        ).clamp_min_(0.0)
         torch.minimum(best, d, out=best)
     return centres
 
 
-def _cluster_sums(points: torch.Tensor, idx: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _cluster_sums(
+    points: torch.Tensor, idx: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     groups, n, dim = points.shape
     if points.device.type == "cpu":
         flat = (idx + torch.arange(groups).unsqueeze(1) * k).reshape(-1)

@@ -41,15 +41,20 @@ class KVQuantizer:
             if books.dim() != 5 or (got[0], got[1], got[4]) != want:
                 raise ValueError(
                     f"{side} codebooks have shape {got}; this model needs (num_layers, kv_heads, "
-                    f"stages, codebook_size, head_dim) with (num_layers, kv_heads, head_dim) = {want}"
+                    "stages, codebook_size, head_dim) with (num_layers, kv_heads, head_dim) = "
+                    f"{want}"
                 )
             sizes.add(got[3])
         if len(sizes) > 1:
             raise ValueError(f"key and value codebook sizes differ: {sorted(sizes)}")
-        self.key_codebooks = None if key_codebooks is None else torch.as_tensor(
-            key_codebooks, dtype=torch.float32)
-        self.value_codebooks = None if value_codebooks is None else torch.as_tensor(
-            value_codebooks, dtype=torch.float32)
+        self.key_codebooks = (
+            None if key_codebooks is None else torch.as_tensor(key_codebooks, dtype=torch.float32)
+        )
+        self.value_codebooks = (
+            None
+            if value_codebooks is None
+            else torch.as_tensor(value_codebooks, dtype=torch.float32)
+        )
         self.codebook_size = sizes.pop() if sizes else 0
 
     @property
@@ -71,9 +76,10 @@ class KVQuantizer:
 
     def to(self, device) -> KVQuantizer:
         """The codebooks moved to ``device`` (a new object)."""
-        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
-        return KVQuantizer(self.shape, move(self.key_codebooks), move(self.value_codebooks),
-                           pooled=self.pooled)
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return KVQuantizer(
+            self.shape, move(self.key_codebooks), move(self.value_codebooks), pooled=self.pooled
+        )
 
     def quantize(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """Codes and reconstructions of one layer's positions.
@@ -96,12 +102,20 @@ class KVQuantizer:
                 out += list(encode(x, books[layer]))
         return tuple(out)
 
-    def decode(self, layer: int, key_codes: torch.Tensor, value_codes: torch.Tensor,
-               dtype=torch.float32):
+    def decode(
+        self, layer: int, key_codes: torch.Tensor, value_codes: torch.Tensor, dtype=torch.float32
+    ):
         """Reconstruct one layer's keys and values (None on an exact side)."""
-        k = None if self.key_codebooks is None else decode(key_codes, self.key_codebooks[layer], dtype)
-        v = None if self.value_codebooks is None else decode(value_codes, self.value_codebooks[layer],
-                                                           dtype)
+        k = (
+            None
+            if self.key_codebooks is None
+            else decode(key_codes, self.key_codebooks[layer], dtype)
+        )
+        v = (
+            None
+            if self.value_codebooks is None
+            else decode(value_codes, self.value_codebooks[layer], dtype)
+        )
         return k, v
 
     def rows_to_codes(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -137,7 +151,7 @@ class KVQuantizer:
         unknown = set(arrays) - {"key_codebooks", "value_codebooks"}
         if unknown:
             raise ValueError(f"unknown codebook arrays: {sorted(unknown)}")
-        get = (lambda n: None if n not in arrays else torch.from_numpy(np.asarray(arrays[n])))  # noqa: E731
+        get = lambda n: None if n not in arrays else torch.from_numpy(np.asarray(arrays[n]))  # noqa: E731
         return cls(shape, get("key_codebooks"), get("value_codebooks"), pooled=pooled)
 
     def prefix(self, key_stages: int, value_stages: int) -> KVQuantizer:
@@ -161,6 +175,7 @@ def train_kv_quantizer(
     iters: int = 20,
     seed: int = 0,
     init_sample: int | None = 16384,
+    max_points: int | None = None,
     progress=None,
 ) -> KVQuantizer:
     """Train codebooks for every layer.
@@ -169,7 +184,8 @@ def train_kv_quantizer(
         keys, values: per layer, ``(n, kv_heads, head_dim)`` training vectors (keys as cached).
         shape: the model's KV shape.
         config: pooled/per-head, codebook size and stage counts.
-        iters, seed, init_sample: k-means settings; layer ``l`` uses ``seed + 1000 * l`` (plus
+        iters, seed, init_sample, max_points: k-means settings (see
+            :func:`model_adapters.rvq.train_rvq`); layer ``l`` uses ``seed + 1000 * l`` (plus
             1 for values) so layers do not share random draws.
         progress: optional callable, called once per trained (layer, side).
     """
@@ -181,16 +197,27 @@ def train_kv_quantizer(
             f"{len(values)} values"
         )
     sides = {}
-    for side, vecs, stages, off in (("k", keys, config.key_stages, 0),
-                                    ("v", values, config.value_stages, 1)):
+    for side, vecs, stages, off in (
+        ("k", keys, config.key_stages, 0),
+        ("v", values, config.value_stages, 1),
+    ):
         if stages == 0:
             sides[side] = None
             continue
         books = []
         for layer, x in enumerate(vecs):
-            books.append(train_rvq(x, num_quantizers=stages, codebook_size=config.codebook_size,
-                                   pooled=config.pooled, iters=iters,
-                                   seed=seed + 1000 * layer + 500 * off, init_sample=init_sample))
+            books.append(
+                train_rvq(
+                    x,
+                    num_quantizers=stages,
+                    codebook_size=config.codebook_size,
+                    pooled=config.pooled,
+                    iters=iters,
+                    seed=seed + 1000 * layer + 500 * off,
+                    init_sample=init_sample,
+                    max_points=max_points,
+                )
+            )
             if progress is not None:
                 progress(layer)
         sides[side] = torch.stack(books)

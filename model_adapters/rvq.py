@@ -41,6 +41,7 @@ def train_rvq(
     iters: int = 20,
     seed: int = 0,
     init_sample: int | None = 16384,
+    max_points: int | None = None,
     progress=None,
 ) -> torch.Tensor:
     """Train residual-VQ codebooks by k-means, stage after stage on the residuals.
@@ -55,6 +56,8 @@ def train_rvq(
         pooled: one codebook per stage shared by all heads (trained on all heads' vectors).
         iters, seed, init_sample: passed to :func:`model_adapters.kmeans.kmeans`; stage ``s``
             uses ``seed + s``.
+        max_points: train each codebook on at most this many vectors (a random subset drawn
+            with ``seed``; None: all), so a pooled codebook can see as much data as a per-head one.
         progress: optional callable, called once per finished stage.
 
     Returns:
@@ -63,12 +66,25 @@ def train_rvq(
     if not isinstance(vectors, torch.Tensor) or vectors.dim() != 3:
         got = tuple(vectors.shape) if isinstance(vectors, torch.Tensor) else type(vectors)
         raise ValueError(f"vectors must be (n, kv_heads, head_dim), got {got}")
-    if isinstance(num_quantizers, bool) or not isinstance(num_quantizers, int) or num_quantizers < 1:
+    if (
+        isinstance(num_quantizers, bool)
+        or not isinstance(num_quantizers, int)
+        or num_quantizers < 1
+    ):
         raise ValueError(f"num_quantizers must be a positive int, got {num_quantizers!r}")
     n, heads, dim = vectors.shape
     x = vectors.to(torch.float32)
     # groups: one per head, or a single pooled group of all heads' vectors
     points = x.reshape(1, n * heads, dim) if pooled else x.permute(1, 0, 2).contiguous()
+    if max_points is not None and points.shape[1] > max_points:
+        gen = torch.Generator(device=points.device).manual_seed(int(seed))
+        pick = torch.stack(
+            [
+                torch.randperm(points.shape[1], generator=gen, device=points.device)[:max_points]
+                for _ in range(points.shape[0])
+            ]
+        )
+        points = torch.gather(points, 1, pick.unsqueeze(-1).expand(-1, -1, dim))
     stages = []
     residual = points
     for s in range(num_quantizers):
@@ -138,7 +154,9 @@ def decode(codes: torch.Tensor, codebooks: torch.Tensor, dtype: torch.dtype = to
         )
     idx = codes.to(torch.int64)
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= k):
-        raise ValueError(f"codes must lie in [0, {k}), got range [{int(idx.min())}, {int(idx.max())}]")
+        raise ValueError(
+            f"codes must lie in [0, {k}), got range [{int(idx.min())}, {int(idx.max())}]"
+        )
     batch, _, seq, _ = codes.shape
     cb = codebooks.to(device=codes.device, dtype=torch.float32)
     out = torch.zeros(heads, batch * seq, dim, device=codes.device)

@@ -12,8 +12,18 @@ _START = re.compile(r"^\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG.*$", re.M)
 _END = re.compile(r"^\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG.*$", re.M)
 # A line holding only the first chapter's number: "I.", "I", "CHAPTER I", "Chapter I."
 _CHAPTER_ONE = re.compile(r"^[ \t]*(?:chapter[ \t]+)?I\.?[ \t]*$", re.M | re.I)
-_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'",
-                         "\u201c": '"', "\u201d": '"', "\u201e": '"', "\u201f": '"'})
+_QUOTES = str.maketrans(
+    {
+        "\u2018": "'",
+        "\u2019": "'",
+        "\u201a": "'",
+        "\u201b": "'",
+        "\u201c": '"',
+        "\u201d": '"',
+        "\u201e": '"',
+        "\u201f": '"',
+    }
+)
 
 
 def strip_gutenberg(text: str) -> str:
@@ -21,7 +31,7 @@ def strip_gutenberg(text: str) -> str:
     text = text.lstrip("\ufeff")
     start = _START.search(text)
     if start:
-        text = text[start.end():]
+        text = text[start.end() :]
     end = _END.search(text)
     if end:
         text = text[: end.start()]
