@@ -76,7 +76,6 @@ class CodesOnlyLayer(CacheLayerMixin):
         self.length = 0
         self.archived_end = cache.sinks
         self.tail_start = cache.sinks
-        self._unread = False
 
     @property
     def backend(self) -> str:
@@ -100,12 +99,6 @@ class CodesOnlyLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self._unread:
-            raise RuntimeError(
-                f"layer {self.layer_idx} of the codes-only cache was updated twice without "
-                f"attention reading it: the model's attention implementation must be "
-                f"{CODES_ATTENTION!r} (call model_adapters.serving.use_codes_attention(model))"
-            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         sinks, recent = self.cache.sinks, self.cache.recent
@@ -121,7 +114,6 @@ class CodesOnlyLayer(CacheLayerMixin):
         if end > self.archived_end:
             self._archive(end)
         self.keys, self.values = self.tail_k, self.tail_v
-        self._unread = True
         # the layer rides on a fresh view so the attention function can find the codes
         keys = self.tail_k[:, :, self.archived_end - self.tail_start :]
         values = self.tail_v[:, :, self.archived_end - self.tail_start :]
@@ -172,7 +164,7 @@ class CodesOnlyLayer(CacheLayerMixin):
 
     def attention_state(self) -> AttentionState:
         """The layer's segments as the attention function reads them (marks the layer read)."""
-        self._unread = False
+        self.cache.unread_layer = None
         q = self.cache.device_quantizer(self.device)
         n = self.archived
         cut = self.archived_end - self.tail_start
@@ -192,7 +184,7 @@ class CodesOnlyLayer(CacheLayerMixin):
 
         Allocates the dense layer; used for prefill chunks and rehydration, never kept.
         """
-        self._unread = False
+        self.cache.unread_layer = None
         dtype = dtype or self.dtype
         q = self.cache.device_quantizer(self.device)
         n, cut = self.archived, self.archived_end - self.tail_start
@@ -245,7 +237,6 @@ class CodesOnlyLayer(CacheLayerMixin):
         self.keys = self.values = None
         self.length = 0
         self.archived_end = self.tail_start = self.cache.sinks
-        self._unread = False
 
     # --- batch manipulation (generate: beams, multiple return sequences) -----------------------
     def _map_batch(self, fn) -> None:
@@ -346,7 +337,19 @@ class CodesOnlyCache(Cache):
         self.backend = backend
         self.archive_hooks: list = []
         self._on_device: dict = {}
+        self.unread_layer: int | None = None
         super().__init__(layers=[CodesOnlyLayer(i, self) for i in range(shape.num_layers)])
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.unread_layer is not None:
+            raise RuntimeError(
+                f"layer {self.unread_layer} of the codes-only cache was updated but attention "
+                f"did not read its codes: the model's attention implementation must be "
+                f"{CODES_ATTENTION!r} (call model_adapters.serving.use_codes_attention(model))"
+            )
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        self.unread_layer = layer_idx
+        return out
 
     def device_quantizer(self, device) -> KVQuantizer:
         """The codebooks on ``device`` (moved once, then reused)."""
