@@ -198,6 +198,27 @@ class CodesOnlyLayer(CacheLayerMixin):
         vs.append(self.tail_v[:, :, cut:].to(dtype))
         return torch.cat(ks, 2), torch.cat(vs, 2)
 
+    def load_state(
+        self,
+        head: tuple[torch.Tensor, torch.Tensor],
+        codes: tuple[torch.Tensor, torch.Tensor],
+        tail: tuple[torch.Tensor, torch.Tensor],
+        *,
+        length: int,
+        tail_start: int,
+    ) -> None:
+        """Install a saved state (resume): exact ``head`` ``(batch, kv_heads, <=sinks, d)``,
+        ``codes`` ``(batch, kv_heads, archived, stages)`` per side, exact ``tail`` covering
+        positions ``[tail_start, length)``."""
+        self.lazy_initialization(head[0], head[1])
+        self.head_k, self.head_v = head
+        self.key_codes, self.value_codes = codes
+        self.tail_k, self.tail_v = tail
+        self.length = length
+        self.archived_end = self.cache.sinks + codes[0].shape[2]
+        self.tail_start = tail_start
+        self.keys, self.values = self.tail_k, self.tail_v
+
     # --- rewinding ----------------------------------------------------------------------------
     def crop_problem(self, length: int) -> str | None:
         """Why this layer cannot be cut back to ``length`` positions (None: it can)."""
