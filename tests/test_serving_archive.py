@@ -32,6 +32,17 @@ def feed(model, target, ids, prefill=10):
     return torch.cat(out, 1)
 
 
+def written(tmp_path, arch, n):
+    """A tiny model, its codebooks and an archive of ``IDS[:, :n]`` (closed, checkpointed)."""
+    model = use_codes_attention(TINY_MODELS[arch]())
+    q = random_quantizer(model)
+    path = tmp_path / f"{arch}-{n}.fkv"
+    with serving_archive.create(path, model, q, **WINDOW) as sa:
+        feed(model, sa, IDS[:, :n])
+        assert sa.cache.archived_tokens == len(sa.codes) == n - 7
+    return model, q, path
+
+
 def state(ar_path):
     import fkvstore
 
@@ -41,12 +52,7 @@ def state(ar_path):
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
 def test_resume_continues_with_the_live_caches_logits(arch, tmp_path):
-    model = use_codes_attention(TINY_MODELS[arch]())
-    q = random_quantizer(model)
-    path = tmp_path / "run.fkv"
-    with serving_archive.create(path, model, q, **WINDOW) as sa:
-        feed(model, sa, IDS[:, :30])
-        assert sa.cache.archived_tokens == 23 and len(sa.codes) == 23
+    model, q, path = written(tmp_path, arch, 30)
     live = CodesOnlyCache(model, q, **WINDOW)  # the same computation, never interrupted
     want = feed(model, live, IDS)[:, 30:]
     resumed = serving_archive.resume(path, model)
@@ -59,11 +65,7 @@ def test_resume_continues_with_the_live_caches_logits(arch, tmp_path):
 
 
 def test_resume_generates_like_the_live_cache(tmp_path):
-    model = use_codes_attention(TINY_MODELS["qwen3"]())
-    q = random_quantizer(model)
-    path = tmp_path / "gen.fkv"
-    with serving_archive.create(path, model, q, **WINDOW) as sa:
-        feed(model, sa, IDS[:, :20])
+    model, q, path = written(tmp_path, "qwen3", 20)
     live = CodesOnlyCache(model, q, **WINDOW)
     feed(model, live, IDS[:, :20])
     settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -172,11 +174,7 @@ def test_find_text_with_a_tokenizer(tmp_path):
 
 
 def test_refusals_leave_the_archive_unchanged(tmp_path):
-    gpt2 = use_codes_attention(TINY_MODELS["gpt2"]())
-    q = random_quantizer(gpt2)
-    path = tmp_path / "id.fkv"
-    with serving_archive.create(path, gpt2, q, **WINDOW) as sa:
-        feed(gpt2, sa, IDS[:, :20])
+    gpt2, q, path = written(tmp_path, "gpt2", 20)
     before = state(path)
     qwen = use_codes_attention(TINY_MODELS["qwen3"]())
     with pytest.raises(ValueError, match="another model configuration"):
