@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from adapters_fixtures import TINY_MODELS, torch
 from hypothesis import given
@@ -224,3 +229,17 @@ def test_lookup_attention_matches_dense_oracle(
     want = dense_attention(query, keys, values, mask, 0.3)
     got = lookup_attention(query, sk, sv, kc, vc, kb, vb, rk, rv, mask=mask, scale=0.3)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="this process already interprets: the module runs directly")
+def test_triton_path_under_the_interpreter():
+    pytest.importorskip("triton")
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tests.parent), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         str(tests / "test_serving_interpreted.py")],
+        cwd=tests.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:]
