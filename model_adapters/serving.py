@@ -82,7 +82,7 @@ class CodesOnlyLayer(CacheLayerMixin):
         return self.cache.backend
 
     # --- transformers layer API -------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor, value_states=None) -> None:
         self.device = key_states.device
         self.dtype = key_states.dtype
         b, h, _, d = key_states.shape
@@ -156,6 +156,8 @@ class CodesOnlyLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    get_max_cache_shape = get_max_length  # the name older releases ask for
 
     # --- what attention reads ---------------------------------------------------------------
     @property
