@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import pytest
 from adapters_fixtures import TINY_MODELS, torch
 
 from model_adapters.adapters import kv_shape
 from model_adapters.hf_cache import ArchivingCache, cache_kwarg
 from model_adapters.quantizer import KVQuantizer
 from model_adapters.serving import CodesOnlyCache, use_codes_attention
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run many small ops: one thread beats two, and does not fight other
+    processes for the cores (with two threads these tests ran ten times slower on a busy VM)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def random_quantizer(model, key_stages=2, value_stages=2, k=16, seed=0) -> KVQuantizer:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 from adapters_fixtures import TINY_MODELS, torch
-from serving_fixtures import random_quantizer
+from serving_fixtures import (
+    one_thread,  # noqa: F401 (autouse)
+    random_quantizer,
+)
 
 from model_adapters.archive_io import archive_available
 from model_adapters.hf_cache import cache_kwarg

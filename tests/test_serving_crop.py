@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 from adapters_fixtures import torch
-from serving_fixtures import model_pair, random_quantizer, step_logits
+from serving_fixtures import (
+    model_pair,
+    one_thread,  # noqa: F401 (autouse)
+    random_quantizer,
+    step_logits,
+)
 
 from model_adapters.code_rows import CodeRows
 from model_adapters.hf_cache import cache_kwarg

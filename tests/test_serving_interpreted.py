@@ -14,7 +14,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 from process start", allow_module_level=True)
 
 from adapters_fixtures import TINY_MODELS, torch  # noqa: E402
-from serving_fixtures import random_quantizer, step_logits  # noqa: E402
+from serving_fixtures import (  # noqa: E402
+    one_thread,  # noqa: E402, F401 (autouse)
+    random_quantizer,
+    step_logits,
+)
 
 from model_adapters.serving import CodesOnlyCache, use_codes_attention  # noqa: E402
 
