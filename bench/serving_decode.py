@@ -67,11 +67,12 @@ def fill(cache, shape, n, device, dtype, chunk=8192):
 
 
 @torch.no_grad()
-def decode(model, cache, steps, device):
+def decode(model, cache, steps, device, warmup=3):
     kw = cache_kwarg(model)
     cuda = torch.device(device).type == "cuda"
     tok = torch.tensor([[5]], device=device)
-    model(tok, **{kw: cache})  # warm-up (compiles the Triton kernel once)
+    for _ in range(warmup):  # the first call compiles the Triton kernel
+        tok = model(tok, **{kw: cache}).logits[:, -1:].argmax(-1)
     if cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -112,6 +113,26 @@ def run(name, model, contexts, steps, dtype, device):
     return rows
 
 
+def profile(args, device, dtype):
+    """Where a decode step spends its time, both caches (torch.profiler, CPU and CUDA)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).to(device).eval()
+    model = use_codes_attention(model)
+    q = random_quantizer(model, device)
+    for label, cache in (("dynamic", DynamicCache(config=model.config)),
+                         ("codes", CodesOnlyCache(model, q))):
+        fill(cache, kv_shape(model), args.contexts[0], device, dtype)
+        decode(model, cache, 4, device)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with torch_profile(activities=acts) as prof:
+            tps, _ = decode(model, cache, args.steps, device, warmup=0)
+        print(f"== {label}: {tps:.1f} tok/s")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-dir", help="the Qwen3 stand-in (skipped if absent)")
@@ -121,10 +142,15 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a check)")
     parser.add_argument("--out", default="serving-decode")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile decode steps of both caches at the first context only")
     args = parser.parse_args(argv)
     device = args.device
     dtype = torch.bfloat16
     rows = []
+    if args.profile:
+        profile(args, device, dtype)
+        return
     if args.model_dir:
         from transformers import AutoModelForCausalLM
 
