@@ -388,6 +388,10 @@ class CodesOnlyCache(Cache):
         """Positions held only as codes (the same in every layer between forward passes)."""
         return min(layer.archived for layer in self.layers)
 
+    def archived_after(self, length: int) -> int:
+        """Archived positions left after cutting the cache back to ``length``."""
+        return max(0, min(self.archived_tokens, length - self.sinks - self.recent))
+
     def crop(self, tokens_to_remove: int) -> None:
         """Cut the cache back: ``n > 0`` keeps the first ``n`` positions, ``n < 0`` drops the
         last ``-n``, ``0`` does nothing (both transformers conventions).
@@ -410,7 +414,7 @@ class CodesOnlyCache(Cache):
             problem = layer.crop_problem(target)
             if problem is not None:
                 raise ValueError(f"cannot crop to {target} positions: {problem}")
-        kept = max(0, min(self.archived_tokens, target - self.sinks - self.recent))
+        kept = self.archived_after(target)
         if self.rows is not None and kept < self.archived_tokens and not self.archive_hooks:
             raise ValueError(
                 f"cannot crop to {target} positions: {self.archived_tokens - kept} archived "

@@ -9,7 +9,9 @@ One archive file holds everything a later process needs to continue a sequence (
   ``exact_tail_keys`` / ``exact_tail_values`` (the recent window plus the rewind margin), in the
   cache's dtype (bfloat16 stored as float32, exactly), written by :meth:`ServingArchive.checkpoint`;
 - attributes ``serving_length``, ``serving_archived``, ``serving_tail_start``, ``serving_rewind``,
-  ``serving_dtype``: the checkpoint the arrays belong to.
+  ``serving_dtype``: the checkpoint the arrays belong to;
+- for a fork (:func:`fork`): ``parent`` (the parent file, relative to this one's folder),
+  ``parent_tokens`` and ``parent_archived``: the streams here hold only what follows those.
 
 Rows appended after the last checkpoint (a process that died mid-generation) are ignored on
 resume, and dropped when the archive is reopened for writing: the checkpoint is the committed
@@ -18,6 +20,9 @@ model over the archived text.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,8 +39,9 @@ from model_adapters.code_rows import CodeRows
 from model_adapters.hf_cache import cache_kwarg
 from model_adapters.quantizer import KVQuantizer
 from model_adapters.serving import CodesOnlyCache
+from model_adapters.serving_streams import ChainedStream
 
-__all__ = ["TOKENS_STREAM", "ServingArchive", "create", "resume"]
+__all__ = ["TOKENS_STREAM", "ServingArchive", "create", "fork", "resume"]
 
 TOKENS_STREAM = "tokens"
 _WINDOW = ("exact_head_keys", "exact_head_values", "exact_tail_keys", "exact_tail_values")
@@ -61,14 +67,16 @@ class ServingArchive:
     :meth:`close` writes a checkpoint first when the archive is writable.
     """
 
-    def __init__(self, ar, cache: CodesOnlyCache, model, *, tokenizer=None):
+    def __init__(self, ar, cache: CodesOnlyCache, model, *, tokenizer=None, views=None,
+                 parents=()):
         self.archive = ar
         self.cache = cache
         self.tokenizer = tokenizer
         self.fingerprint = config_fingerprint(model)
         self.writable = bool(getattr(ar, "writable", True))
-        self.codes = ar[CODES_STREAM]
-        self.tokens = ar[TOKENS_STREAM]
+        self.codes, self.tokens = views or (ChainedStream(ar[CODES_STREAM]),
+                                            ChainedStream(ar[TOKENS_STREAM]))
+        self._parents = list(parents)  # read-only parent archives, closed with this one
         self._index = None
         cache.archive_hooks.append(self)
 
@@ -167,15 +175,24 @@ class ServingArchive:
         """Checkpoint (when writable) and close the archive."""
         if getattr(self.archive, "closed", False):
             return
-        if self.writable:
-            self.checkpoint()
-        self.archive.close()
+        try:
+            if self.writable:
+                self.checkpoint()
+        finally:
+            self.archive.close()
+            for parent in self._parents:
+                parent.close()
 
     # --- rewinding (hooks called by CodesOnlyCache.crop) --------------------------------------
     def check_truncate(self, target: int, cache: CodesOnlyCache) -> None:
         if not self.writable:
             raise ValueError(
                 f"cannot crop: {self.archive!r} is open read-only and would no longer match"
+            )
+        if target < self.tokens.base or cache.archived_after(target) < self.codes.base:
+            raise ValueError(
+                f"cannot crop to {target} positions: this archive is a fork of its first "
+                f"{self.tokens.base} positions, which belong to the parent archive"
             )
 
     def truncate(self, target: int, cache: CodesOnlyCache) -> None:
@@ -294,23 +311,75 @@ def resume(
     """
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
-    fkv = _fkvstore()
-    ar = fkv.open(path, mode)
+    opened = []
     try:
-        cache = _rebuild(ar, model, quantizer, backend)
+        ar, codes_view, tokens = _open_chain(path, mode, model, opened)
+        cache = _rebuild(ar, model, quantizer, backend, codes_view, tokens)
     except BaseException:
-        ar.close()
+        for a in opened:
+            a.close()
         raise
     length, archived = int(ar.attrs["serving_length"]), int(ar.attrs["serving_archived"])
     if mode == "r+":
-        ar[CODES_STREAM].truncate(archived)
-        ar[TOKENS_STREAM].truncate(length)
-        cache.rows = CodeRows(cache.shape.num_layers, sink=ar[CODES_STREAM].extend)
+        codes_view.truncate(archived)
+        tokens.truncate(length)
+        cache.rows = CodeRows(cache.shape.num_layers, sink=codes_view.extend)
         cache.rows.emitted = archived
-    return ServingArchive(ar, cache, model, tokenizer=tokenizer)
+    return ServingArchive(ar, cache, model, tokenizer=tokenizer, views=(codes_view, tokens),
+                          parents=opened[1:])
 
 
-def _rebuild(ar, model, quantizer, backend) -> CodesOnlyCache:
+def _open_chain(path, mode, model, opened):
+    """Open ``path`` and, for a fork, its parents (read-only); appends every archive opened to
+    ``opened`` (``path``'s first). Returns ``(archive, codes view, tokens view)``."""
+    ar = _fkvstore().open(path, mode)
+    opened.append(ar)
+    attrs = ar.attrs
+    if "parent" not in attrs:
+        return ar, ChainedStream(ar[CODES_STREAM]), ChainedStream(ar[TOKENS_STREAM])
+    parent_path = Path(path).parent / str(attrs["parent"])
+    parent, p_codes, p_tokens = _open_chain(parent_path, "r", model, opened)
+    check_identity(parent, model)
+    mine, theirs = read_quantizer(ar, model), read_quantizer(parent, model)
+    for side in ("key_codebooks", "value_codebooks"):
+        if not torch.equal(getattr(mine, side), getattr(theirs, side)):
+            raise ValueError(f"{ar!r} and its parent {parent!r} hold different codebooks")
+    return (ar, ChainedStream(ar[CODES_STREAM], p_codes, int(attrs["parent_archived"])),
+            ChainedStream(ar[TOKENS_STREAM], p_tokens, int(attrs["parent_tokens"])))
+
+
+def fork(parent_path, path, model, *, backend: str = "auto", tokenizer=None,
+         mode: str = "w-") -> ServingArchive:
+    """A new archive at ``path`` continuing ``parent_path`` from its last checkpoint.
+
+    The new file holds the codebooks, the identity attributes and what is written after the
+    fork; the shared past stays in the parent (opened read-only while the fork is open), so
+    any number of forks cost no copy of it. The parent must not be cropped below the fork point
+    afterwards (a fork then refuses to open). Cropping the fork below the fork point is refused.
+    """
+    parent = resume(parent_path, model, mode="r", backend=backend)
+    cache = parent.cache
+    cache.archive_hooks.remove(parent)
+    try:
+        ar, own_codes = open_for_writing(path, model, cache.quantizer, sinks=cache.sinks,
+                                         recent=cache.recent, mode=mode)
+    except BaseException:
+        parent.close()
+        raise
+    here = Path(path).resolve().parent
+    ar.attrs["parent"] = os.path.relpath(Path(parent_path).resolve(), here)
+    ar.attrs["parent_tokens"] = len(parent.tokens)
+    ar.attrs["parent_archived"] = cache.archived_tokens
+    own_tokens = ar.create_stream(TOKENS_STREAM, alphabet_size=_vocab_size(model), width=1)
+    views = (ChainedStream(own_codes, parent.codes, cache.archived_tokens),
+             ChainedStream(own_tokens, parent.tokens, len(parent.tokens)))
+    cache.rows = CodeRows(cache.shape.num_layers, sink=views[0].extend)
+    cache.rows.emitted = cache.archived_tokens
+    return ServingArchive(ar, cache, model, tokenizer=tokenizer or parent.tokenizer,
+                          views=views, parents=[parent.archive, *parent._parents])
+
+
+def _rebuild(ar, model, quantizer, backend, codes_view, tokens) -> CodesOnlyCache:
     check_identity(ar, model)
     attrs = ar.attrs
     if "serving_length" not in attrs:
@@ -334,13 +403,13 @@ def _rebuild(ar, model, quantizer, backend) -> CodesOnlyCache:
                 f"(K{stored.key_stages}V{stored.value_stages}, size {stored.codebook_size})"
             )
     length, archived = int(attrs["serving_length"]), int(attrs["serving_archived"])
-    have_codes, have_tokens = len(ar[CODES_STREAM]), len(ar[TOKENS_STREAM])
+    have_codes, have_tokens = len(codes_view), len(tokens)
     if have_codes < archived or have_tokens < length:
         raise ValueError(
             f"{ar!r}: the checkpoint needs {archived} code rows and {length} tokens, the "
             f"streams hold {have_codes} and {have_tokens}"
         )
-    vocab = int(ar[TOKENS_STREAM].alphabet_size)
+    vocab = int(tokens.alphabet_size)
     if vocab != _vocab_size(model):
         raise ValueError(f"token stream alphabet {vocab} != model vocabulary {_vocab_size(model)}")
     cache = CodesOnlyCache(
@@ -359,7 +428,7 @@ def _rebuild(ar, model, quantizer, backend) -> CodesOnlyCache:
         torch.from_numpy(np.asarray(ar.get_array(n))).to(device=device, dtype=dtype)
         for n in _WINDOW
     ]
-    kc, vc = stored.rows_to_codes(ar[CODES_STREAM].read(0, archived))
+    kc, vc = stored.rows_to_codes(codes_view.read(0, archived))
     tail_start = int(attrs["serving_tail_start"])
 
     def codes(c):

@@ -204,3 +204,48 @@ def test_refusals_leave_the_archive_unchanged(tmp_path):
     ar.close()
     with pytest.raises(ValueError, match="no serving checkpoint"):
         serving_archive.resume(tmp_path / "eval.fkv", gpt2)
+
+
+def test_forks_share_the_parent_and_continue_independently(tmp_path):
+    model, q, parent = written(tmp_path, "qwen3", 24)
+    before = state(parent)
+    branches = {"a": IDS[:, 24:32], "b": IDS[:, 32:40]}
+    for name, more in branches.items():
+        with serving_archive.fork(parent, tmp_path / f"{name}.fkv", model) as sa:
+            for t in range(more.shape[1]):
+                sa.forward(model, more[:, t : t + 1])
+    assert state(parent) == before
+    # each fork stores only what followed the fork point
+    assert state(tmp_path / "a.fkv")[1] == {"codes": 8, "tokens": 8}
+    for name, more in branches.items():
+        ids = torch.cat([IDS[:, :24], more], 1)
+        live = CodesOnlyCache(model, q, **WINDOW)
+        want = feed(model, live, torch.cat([ids, IDS[:, :1]], 1))[:, -1]
+        with serving_archive.resume(tmp_path / f"{name}.fkv", model) as sa:
+            assert (sa.token_ids() == ids[0].numpy()).all()
+            assert sa.find(ids[0, 20:27].tolist()).tolist() == [26]  # across the fork point
+            keys, values = sa.rehydrate([3, 10, 20, 30])  # 3, 10: parent rows; 30: window
+            for li, layer in enumerate(sa.cache.layers):
+                dk, dv = layer.dense(torch.float32)
+                assert torch.equal(keys[li], dk[0][:, [3, 10, 20, 30]])
+                assert torch.equal(values[li], dv[0][:, [3, 10, 20, 30]])
+            got = sa.forward(model, IDS[:, :1]).logits[:, -1]
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            sa.cache.crop(-1)
+            assert len(sa.tokens) == 32 and len(sa.codes) == 25
+
+
+def test_a_fork_whose_parent_was_cut_back_refuses_to_open(tmp_path):
+    model, q, parent = written(tmp_path, "gpt2", 24)
+    with serving_archive.fork(parent, tmp_path / "child.fkv", model) as sa:
+        sa.forward(model, IDS[:, 24:26])
+        with pytest.raises(ValueError, match="belong to the parent"):
+            sa.cache.crop(-3)  # legal for the cache (rewind 3), not below the fork point
+        assert (sa.cache.get_seq_length(), len(sa.tokens), len(sa.codes)) == (26, 26, 19)
+        sa.cache.crop(-2)  # back to the fork point exactly
+        assert (len(sa.tokens), len(sa.codes)) == (24, 17)
+        sa.forward(model, IDS[:, 24:25])
+    with serving_archive.resume(parent, model) as sa:
+        sa.cache.crop(-2)
+    with pytest.raises(ValueError, match="fewer than the"):
+        serving_archive.resume(tmp_path / "child.fkv", model)
