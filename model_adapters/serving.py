@@ -123,7 +123,7 @@ class CodesOnlyLayer(CacheLayerMixin):
     def _archive(self, end: int) -> None:
         start = self.archived_end
         lo, hi = start - self.tail_start, end - self.tail_start
-        q = self.cache.quantizer
+        q = self.cache.device_quantizer(self.device)
         kc, _, vc, _ = q.quantize(
             self.layer_idx, self.tail_k[:, :, lo:hi], self.tail_v[:, :, lo:hi]
         )
@@ -364,6 +364,11 @@ class CodesOnlyCache(Cache):
         super().__init__(layers=[CodesOnlyLayer(i, self) for i in range(shape.num_layers)])
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.rows is not None and key_states.shape[0] != 1:
+            raise ValueError(
+                "a cache that hands codes to a rows collector or an archive needs batch size 1 "
+                f"(one row per token), got batch {key_states.shape[0]}"
+            )
         if self.unread_layer is not None:
             raise RuntimeError(
                 f"layer {self.unread_layer} of the codes-only cache was updated but attention "
@@ -373,6 +378,16 @@ class CodesOnlyCache(Cache):
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         self.unread_layer = layer_idx
         return out
+
+    def reset(self) -> None:
+        """Empty every layer; refused once codes went to a collector or an archive."""
+        if self.archive_hooks or (self.rows is not None and self.rows.emitted):
+            raise ValueError(
+                "cannot reset a cache whose codes went to a rows collector or an archive; "
+                "crop it, or start a new cache"
+            )
+        super().reset()
+        self.unread_layer = None
 
     def device_quantizer(self, device) -> KVQuantizer:
         """The codebooks on ``device`` (moved once, then reused)."""

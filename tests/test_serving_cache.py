@@ -244,3 +244,22 @@ def test_triton_path_under_the_interpreter():
          str(tests / "test_serving_interpreted.py")],
         cwd=tests.parent, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:]
+
+
+def test_collecting_rows_needs_batch_one_and_forbids_reset():
+    _, model = model_pair("gpt2")
+    q = random_quantizer(model)
+    cache = CodesOnlyCache(model, q, sinks=1, recent=2, rows=CodeRows(2))
+    with pytest.raises(ValueError, match="batch size 1"), torch.no_grad():
+        model(IDS[:, :6], **{cache_kwarg(model): cache})
+    assert cache.get_seq_length() == 0  # refused before anything was stored
+    step_logits(model, cache, IDS[:1, :6], 6)
+    with pytest.raises(ValueError, match="cannot reset"):
+        cache.reset()
+    assert cache.get_seq_length() == 6 and cache.rows.emitted == 3
+    plain = CodesOnlyCache(model, q, sinks=1, recent=2)
+    step_logits(model, plain, IDS[:, :6], 6)
+    plain.reset()
+    assert plain.get_seq_length() == 0
+    step_logits(model, plain, IDS[:, :6], 6)  # usable again
+    assert plain.archived_tokens == 3
