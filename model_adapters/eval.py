@@ -15,6 +15,7 @@ was written.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import math
@@ -98,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="keep one archive per config here (default: a temporary directory)",
     )
+    p.add_argument(
+        "--codebook-dir",
+        default=None,
+        help="reuse codebooks trained earlier with the same model, text split and k-means "
+        "settings from this directory (trained ones are saved there)",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -112,6 +120,7 @@ def _validate(args) -> list[QuantConfig]:
         "kmeans_iters",
         "kmeans_points",
         "context",
+        "threads",
     ):
         v = getattr(args, name)
         if v < 0 or (name in ("tokens", "context") and v < 2):
@@ -150,13 +159,14 @@ def _read_text(path) -> tuple[str, str]:
 
 def _train_sets(configs, model, split, args, context, progress):
     """Codebooks per (pooled, codebook_size), deep enough for every config that uses them."""
+    import numpy as np
     import torch
     from tqdm.auto import tqdm
 
-    from model_adapters.adapters import kv_shape
+    from model_adapters.adapters import config_fingerprint, kv_shape
     from model_adapters.collect import collect_kv
     from model_adapters.configs import QuantConfig
-    from model_adapters.quantizer import train_kv_quantizer
+    from model_adapters.quantizer import KVQuantizer, train_kv_quantizer
 
     need: dict[tuple[bool, int], list[int]] = {}
     for c in configs:
@@ -166,19 +176,42 @@ def _train_sets(configs, model, split, args, context, progress):
     if not need:
         return {}, 0.0, 0.0
     shape = kv_shape(model)
+    sets, paths = {}, {}
+    if args.codebook_dir:
+        key = hashlib.sha256(
+            json.dumps(
+                [
+                    config_fingerprint(model),
+                    split.train_segments,
+                    args.kmeans_iters,
+                    args.seed,
+                    args.kmeans_points,
+                    context,
+                ]
+            ).encode()
+        ).hexdigest()[:16]
+        for (pooled, k), (ks, vs) in need.items():
+            kind = "pooled" if pooled else "perhead"
+            path = Path(args.codebook_dir) / f"{kind}-k{k}-K{ks}V{vs}-{key}.npz"
+            paths[(pooled, k)] = path
+            if path.is_file():
+                with np.load(path) as f:
+                    sets[(pooled, k)] = KVQuantizer.from_arrays(shape, dict(f), pooled=pooled)
+    missing = {pk: st for pk, st in need.items() if pk not in sets}
+    if not missing:
+        return sets, None, None
     t0 = time.perf_counter()
     keys, values = collect_kv(model, split.train_segments, context=context, progress=progress)
     collect_s = time.perf_counter() - t0
     device = next(model.parameters()).device
     keys = [k.to(device) for k in keys]
     values = [v.to(device) for v in values]
-    sets = {}
     t0 = time.perf_counter()
     total = sum(
-        shape.num_layers * (ks > 0) + shape.num_layers * (vs > 0) for ks, vs in need.values()
+        shape.num_layers * (ks > 0) + shape.num_layers * (vs > 0) for ks, vs in missing.values()
     )
     with tqdm(total=total, desc="train codebooks", unit="layer", disable=not progress) as bar:
-        for (pooled, k), (ks, vs) in need.items():
+        for (pooled, k), (ks, vs) in missing.items():
             cfg = QuantConfig(
                 "train", pooled=pooled, codebook_size=k, key_stages=ks, value_stages=vs
             )
@@ -192,6 +225,9 @@ def _train_sets(configs, model, split, args, context, progress):
                 max_points=args.kmeans_points or None,
                 progress=lambda _i: bar.update(1),
             ).to("cpu")
+            if (pooled, k) in paths:
+                paths[(pooled, k)].parent.mkdir(parents=True, exist_ok=True)
+                np.savez(paths[(pooled, k)], **sets[(pooled, k)].to_arrays())
     del keys, values
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -332,6 +368,8 @@ def run(args) -> dict:
     from model_adapters.text import clean_text, split_tokens
 
     progress = not args.no_progress
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     config = AutoConfig.from_pretrained(args.model)
     shape = kv_shape(config)  # refuses unsupported architectures before loading weights

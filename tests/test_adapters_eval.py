@@ -228,3 +228,22 @@ def test_cli_rejects_bad_input_before_work(tmp_path, capsys, args, message):
     assert rc == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_cli_reuses_saved_codebooks(tiny_checkpoint, tmp_path):
+    model_dir, book = tiny_checkpoint
+    common = ["--model", str(model_dir), "--text", str(book), "--tokens", "40"]
+    common += ["--train-tokens", "300", "--config", "perhead-k8-K2V1", "--sinks", "1"]
+    common += ["--recent", "4", "--kmeans-iters", "2", "--no-progress", "--threads", "1"]
+    common += ["--codebook-dir", str(tmp_path / "books")]
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    assert (
+        adapters_eval.main([*common, "--json", str(first), "--plot", str(tmp_path / "a.png")]) == 0
+    )
+    assert len(list((tmp_path / "books").glob("perhead-k8-K2V1-*.npz"))) == 1
+    assert (
+        adapters_eval.main([*common, "--json", str(second), "--plot", str(tmp_path / "b.png")]) == 0
+    )
+    a, b = json.loads(first.read_text()), json.loads(second.read_text())
+    assert a["train_seconds"] is not None and b["train_seconds"] is None
+    assert [r["ppl"] for r in a["configs"]] == [r["ppl"] for r in b["configs"]]
