@@ -58,8 +58,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=32)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", default="bench/results/adapters.json")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     cfg = GPT2Config(

@@ -141,7 +141,12 @@ def read_quantizer(ar, model_or_config) -> KVQuantizer:
 
 def read_codes(ar) -> np.ndarray:
     """All code rows, ``(n, width)`` int64."""
-    return np.asarray(
-        ar[CODES_STREAM].read() if hasattr(ar, "__getitem__") else ar.stream(CODES_STREAM).read(),
-        dtype=np.int64,
-    )
+    stream = ar[CODES_STREAM]
+    return np.asarray(stream.read(), dtype=np.int64).reshape(len(stream), stream.width)
+
+
+def stream_data_bytes(stream) -> int:
+    """Bytes of a stream's stored data: one 16-byte point (two float64) per span of ``span``
+    symbols in each of the ``width`` columns, the last, partial span included."""
+    spans = -(-len(stream) // stream.span)
+    return spans * stream.width * 16

@@ -273,9 +273,11 @@ def _evaluate_config(cfg, quantizer, model, split, args, archive_dir, progress):
         storage["packed_code_bytes_per_token"] = quantizer.row_width * bits / 8
         if ar is not None:
             storage["window_bytes"] = archive_io.write_window(ar, cache)
+            ar.flush()
+            storage["code_stream_bytes"] = archive_io.stream_data_bytes(stream)
             ar.close()
-            storage["code_stream_bytes"] = archive_io.stream_data_bytes(path)
             storage["archive"] = path.name
+            storage["archive_file_bytes"] = path.stat().st_size
         else:
             storage["window_bytes"] = int(sum(a.nbytes for a in archive_io.window_arrays(cache)))
             storage["archive_pending"] = "this fkvstore has no persistent archive (fkvstore.open)"
@@ -327,6 +329,8 @@ def _summarise(cfg, nlls, base, storage, shape, tokens, seconds):
         compression_vs_fp16_total=None if total is None else fp16 / (total / tokens),
         archive=storage["archive"],
     )
+    if "archive_file_bytes" in storage:
+        row["archive_file_bytes"] = storage["archive_file_bytes"]
     if "archive_pending" in storage:
         row["archive_pending"] = storage["archive_pending"]
     return row

@@ -4,28 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from adapters_fixtures import TINY_MODELS, torch
+from adapters_fixtures import TINY_MODELS, random_quantizer, torch
 
 from model_adapters.adapters import config_fingerprint, kv_shape
 from model_adapters.code_rows import CodeRows
 from model_adapters.hf_cache import ArchivingCache, cache_kwarg, output_cache
-from model_adapters.quantizer import KVQuantizer
 
 DynamicCache = pytest.importorskip("transformers").DynamicCache
-
-
-def _random_quantizer(model, key_stages=2, value_stages=1, k=16, seed=0):
-    shape = kv_shape(model)
-    g = torch.Generator().manual_seed(seed)
-
-    def books(stages):
-        if stages == 0:
-            return None
-        return 0.5 * torch.randn(
-            shape.num_layers, shape.kv_heads, stages, k, shape.head_dim, generator=g
-        )
-
-    return KVQuantizer(shape, books(key_stages), books(value_stages))
 
 
 def _hand_quantize(x: torch.Tensor, books: torch.Tensor):
@@ -47,7 +32,7 @@ def test_full_window_reproduces_dynamic_cache_forward(arch):
     model = TINY_MODELS[arch]()
     kw = cache_kwarg(model)
     ids = torch.randint(2, 100, (2, 24), generator=torch.Generator().manual_seed(1))
-    q = _random_quantizer(model)  # present, but the window covers everything
+    q = random_quantizer(model)  # present, but the window covers everything
     with torch.no_grad():
         ref_cache, arc_cache = (
             DynamicCache(config=model.config),
@@ -70,7 +55,7 @@ def test_full_window_reproduces_dynamic_cache_generate(arch):
     kw = cache_kwarg(model)
     ids = torch.randint(2, 100, (1, 12), generator=torch.Generator().manual_seed(2))
     rows = CodeRows(kv_shape(model).num_layers, keep=True)
-    cache = ArchivingCache(model, _random_quantizer(model), sinks=4, recent=40, rows=rows)
+    cache = ArchivingCache(model, random_quantizer(model), sinks=4, recent=40, rows=rows)
     with torch.no_grad():
         settings = dict(
             max_new_tokens=20,
@@ -93,7 +78,7 @@ def test_quantized_logits_match_hand_reference(arch):
     kw = cache_kwarg(model)
     shape = kv_shape(model)
     sinks, recent, n = 3, 5, 26
-    q = _random_quantizer(model, key_stages=2, value_stages=1, seed=4)
+    q = random_quantizer(model, key_stages=2, value_stages=1, seed=4)
     ids = torch.randint(2, 100, (1, n), generator=torch.Generator().manual_seed(3))
     rows = CodeRows(shape.num_layers, keep=True)
     cache = ArchivingCache(model, q, sinks=sinks, recent=recent, rows=rows)
@@ -140,7 +125,7 @@ def test_quantized_logits_match_hand_reference(arch):
 def test_keys_only_keeps_values_exact():
     model = TINY_MODELS["gpt2"]()
     kw = cache_kwarg(model)
-    q = _random_quantizer(model, key_stages=1, value_stages=0)
+    q = random_quantizer(model, key_stages=1, value_stages=0)
     ids = torch.randint(2, 100, (1, 20), generator=torch.Generator().manual_seed(5))
     exact, arc = DynamicCache(config=model.config), ArchivingCache(model, q, sinks=2, recent=4)
     with torch.no_grad():
@@ -159,7 +144,7 @@ def test_prefill_ages_out_relative_to_chunk_end():
     model = TINY_MODELS["qwen3"]()
     kw = cache_kwarg(model)
     rows = CodeRows(2, keep=True)
-    cache = ArchivingCache(model, _random_quantizer(model), sinks=4, recent=8, rows=rows)
+    cache = ArchivingCache(model, random_quantizer(model), sinks=4, recent=8, rows=rows)
     with torch.no_grad():
         out = model(torch.arange(2, 32)[None], **{kw: cache})
     assert output_cache(out) is cache
@@ -169,7 +154,7 @@ def test_prefill_ages_out_relative_to_chunk_end():
 def test_archiving_needs_batch_one():
     model = TINY_MODELS["gpt2"]()
     cache = ArchivingCache(
-        model, _random_quantizer(model), sinks=1, recent=2, rows=CodeRows(2, keep=True)
+        model, random_quantizer(model), sinks=1, recent=2, rows=CodeRows(2, keep=True)
     )
     with pytest.raises(ValueError, match="batch size 1"), torch.no_grad():
         model(torch.ones(2, 8, dtype=torch.long), **{cache_kwarg(model): cache})
@@ -177,7 +162,7 @@ def test_archiving_needs_batch_one():
 
 def test_crop_refuses_archived_positions():
     model = TINY_MODELS["gpt2"]()
-    cache = ArchivingCache(model, _random_quantizer(model), sinks=1, recent=2)
+    cache = ArchivingCache(model, random_quantizer(model), sinks=1, recent=2)
     with torch.no_grad():
         model(torch.ones(1, 8, dtype=torch.long), **{cache_kwarg(model): cache})
     with pytest.raises(ValueError, match="already archived"):
@@ -189,7 +174,7 @@ def test_cache_rejects_bad_arguments():
     with pytest.raises(ValueError, match="recent must be a non-negative int, got -1"):
         ArchivingCache(gpt2, None, recent=-1)
     with pytest.raises(ValueError, match="quantizer was built for"):
-        ArchivingCache(qwen3, _random_quantizer(gpt2))
+        ArchivingCache(qwen3, random_quantizer(gpt2))
     bert = pytest.importorskip("transformers").BertConfig()
     with pytest.raises(ValueError, match="model_type 'bert' is not supported"):
         ArchivingCache(bert)
