@@ -22,10 +22,13 @@ from model_adapters.quantizer import KVQuantizer
 __all__ = [
     "CODES_STREAM",
     "ArchiveUnavailableError",
+    "archive_available",
     "check_identity",
     "open_for_writing",
     "read_codes",
     "read_quantizer",
+    "require_fkvstore",
+    "stream_data_bytes",
     "window_arrays",
     "write_window",
 ]
@@ -37,7 +40,8 @@ class ArchiveUnavailableError(RuntimeError):
     """The installed fkvstore has no persistent archive (``fkvstore.open``)."""
 
 
-def _fkvstore():
+def require_fkvstore():
+    """The fkvstore module, or ArchiveUnavailableError when it cannot write archives."""
     try:
         import fkvstore
     except ImportError as exc:  # e.g. the codec it imports is not built
@@ -50,7 +54,7 @@ def _fkvstore():
 def archive_available() -> bool:
     """Whether the installed fkvstore can write archives."""
     try:
-        _fkvstore()
+        require_fkvstore()
     except ArchiveUnavailableError:
         return False
     return True
@@ -64,7 +68,7 @@ def open_for_writing(
     The codebooks and the model identity are written at once, so the file is self-contained
     from the first row on.
     """
-    fkv = _fkvstore()
+    fkv = require_fkvstore()
     shape = kv_shape(model_or_config)
     ar = fkv.open(path, mode)
     attrs = ar.attrs

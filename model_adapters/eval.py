@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="reuse codebooks trained earlier with the same model, text split and k-means "
         "settings from this directory (trained ones are saved there)",
     )
+    p.add_argument(
+        "--codebooks-from",
+        default=None,
+        help="use the codebooks stored in this archive (written by an earlier run for the same "
+        "model configuration) instead of training",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -137,6 +143,8 @@ def _validate(args) -> list[QuantConfig]:
             f"--train-tokens {args.train_tokens} is below the largest codebook size {biggest}; "
             "k-means needs at least one training vector per centroid"
         )
+    if args.codebooks_from is not None and not Path(args.codebooks_from).is_file():
+        raise ValueError(f"--codebooks-from {args.codebooks_from!r} is not a file")
     if not Path(args.model).is_dir():
         raise ValueError(f"--model {args.model!r} is not a directory")
     if args.text is not None and not Path(args.text).is_file():
@@ -232,6 +240,29 @@ def _train_sets(configs, model, split, args, context, progress):
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return sets, collect_s, time.perf_counter() - t0
+
+
+def _codebooks_from_archive(path, config, configs):
+    """Codebooks of an archive written earlier, checked against the model and every config."""
+    if path is None:
+        return None
+    from model_adapters import archive_io
+
+    fkv = archive_io.require_fkvstore()
+    with fkv.open(path, "r") as ar:
+        q = archive_io.read_quantizer(ar, config)
+    for c in configs:
+        if c.is_exact:
+            continue
+        if (c.pooled, c.codebook_size) != (q.pooled, q.codebook_size) or (
+            c.key_stages > q.key_stages or c.value_stages > q.value_stages
+        ):
+            kind = "pooled" if q.pooled else "perhead"
+            raise ValueError(
+                f"config {c.name!r} cannot use the codebooks of {path!r} ({kind}, "
+                f"k={q.codebook_size}, K{q.key_stages}V{q.value_stages})"
+            )
+    return {(q.pooled, q.codebook_size): q}
 
 
 def _evaluate_config(cfg, quantizer, model, split, args, archive_dir, progress):
@@ -382,13 +413,17 @@ def run(args) -> dict:
             f"--tokens {args.tokens} exceeds the model's {max_positions(config)} positions"
         )
     context = min(args.context, max_positions(config))
+    preset = _codebooks_from_archive(args.codebooks_from, config, configs)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     model.to(device).eval()
     split = split_tokens(
         clean_text(raw, keep_quotes=args.keep_quotes), tokenizer, args.tokens, args.train_tokens
     )
-    sets, collect_s, train_s = _train_sets(configs, model, split, args, context, progress)
+    if preset is not None:
+        sets, collect_s, train_s = preset, None, None
+    else:
+        sets, collect_s, train_s = _train_sets(configs, model, split, args, context, progress)
 
     tmp = None
     archive_dir = args.archive_dir
@@ -450,9 +485,11 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from model_adapters.archive_io import ArchiveUnavailableError
+
     try:
         result = run(args)
-    except ValueError as exc:
+    except (ValueError, ArchiveUnavailableError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_table(result))

@@ -119,3 +119,92 @@ def test_cli_writes_real_archives(tiny_checkpoint, tmp_path):  # noqa: F811
         assert r["bytes_per_token"] == pytest.approx(total / 64)
         assert r["compression_vs_fp16"] == pytest.approx(fp16 / r["code_bytes_per_token"])
         assert r["compression_vs_fp16_total"] == pytest.approx(fp16 / r["bytes_per_token"])
+
+
+def test_cli_reuses_codebooks_from_an_archive_and_refuses_another_models(
+    tiny_checkpoint,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    model_dir, book = tiny_checkpoint
+    common = ["--text", str(book), "--tokens", "40", "--train-tokens", "300", "--sinks", "1"]
+    common += ["--recent", "4", "--kmeans-iters", "2", "--no-progress"]
+    adir = tmp_path / "archives"
+    first = tmp_path / "a.json"
+    assert (
+        adapters_eval.main(
+            [
+                "--model",
+                str(model_dir),
+                *common,
+                "--config",
+                "perhead-k8-K2V1",
+                "--archive-dir",
+                str(adir),
+                "--json",
+                str(first),
+            ]
+        )
+        == 0
+    )
+    archive = adir / "perhead-k8-K2V1.fkv"
+    second = tmp_path / "b.json"
+    assert (
+        adapters_eval.main(
+            [
+                "--model",
+                str(model_dir),
+                *common,
+                "--config",
+                "perhead-k8-K1V1",
+                "--config",
+                "perhead-k8-K2V1",
+                "--codebooks-from",
+                str(archive),
+                "--json",
+                str(second),
+            ]
+        )
+        == 0
+    )
+    a = {r["config"]: r for r in json.loads(first.read_text())["configs"]}
+    b = json.loads(second.read_text())
+    assert b["train_seconds"] is None
+    assert {r["config"]: r for r in b["configs"]}["perhead-k8-K2V1"]["ppl"] == a["perhead-k8-K2V1"][
+        "ppl"
+    ]
+    with pytest.raises(SystemExit):
+        adapters_eval.main(["--model", str(model_dir), "--codebooks-from"])
+    # a config deeper than the stored codebooks, and a different model configuration: both
+    # refused from the archive's attributes, before weights are loaded
+    assert (
+        adapters_eval.main(
+            [
+                "--model",
+                str(model_dir),
+                *common,
+                "--config",
+                "perhead-k8-K3V1",
+                "--codebooks-from",
+                str(archive),
+            ]
+        )
+        == 2
+    )
+    other = tmp_path / "qwen3"
+    TINY_MODELS["qwen3"](vocab_size=50257).save_pretrained(other)
+    assert (
+        adapters_eval.main(
+            [
+                "--model",
+                str(other),
+                *common,
+                "--config",
+                "perhead-k8-K2V1",
+                "--codebooks-from",
+                str(archive),
+            ]
+        )
+        == 2
+    )
+    assert "another model configuration" in capsys.readouterr().err
