@@ -292,6 +292,7 @@ def _evaluate_config(cfg, quantizer, model, split, args, archive_dir, progress):
     nlls = token_nlls(model, split.passage, cache, progress=progress, desc=cfg.name)
     seconds = time.perf_counter() - t0
     storage = {
+        "nmse": cache.reconstruction_nmse() if quantizer is not None else None,
         "archived_tokens": cache.archived_tokens if quantizer is not None else 0,
         "archive": None,
         "code_stream_bytes": None,
@@ -351,6 +352,8 @@ def _summarise(cfg, nlls, base, storage, shape, tokens, seconds):
     total = None if code is None else code + storage["window_bytes"] + storage["codebook_bytes"]
     row.update(
         archived_tokens=archived,
+        key_nmse=storage["nmse"]["keys"],
+        value_nmse=storage["nmse"]["values"],
         code_bytes_per_token=code_pt,
         packed_code_bytes_per_token=storage["packed_code_bytes_per_token"],
         window_bytes=storage["window_bytes"],

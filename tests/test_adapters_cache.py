@@ -46,6 +46,7 @@ def test_full_window_reproduces_dynamic_cache_forward(arch):
     for a, b in zip(ref, got, strict=True):
         assert torch.equal(a, b)
     assert arc_cache.archived_tokens == 0
+    assert arc_cache.reconstruction_nmse() == {"keys": None, "values": None}
     assert arc_cache.get_seq_length() == 24
 
 
@@ -84,6 +85,11 @@ def test_quantized_logits_match_hand_reference(arch):
     cache = ArchivingCache(model, q, sinks=sinks, recent=recent, rows=rows)
     ref_cache = DynamicCache(config=model.config)
     hand_codes = {}  # position -> row, built column by column in the documented order
+    originals = {
+        "keys": [[] for _ in range(shape.num_layers)],
+        "values": [[] for _ in range(shape.num_layers)],
+    }
+    sq_err = {"keys": 0.0, "values": 0.0}
     replaced = sinks
     with torch.no_grad():
         for t in range(n):
@@ -93,8 +99,13 @@ def test_quantized_logits_match_hand_reference(arch):
                 row = []
                 for li, layer in enumerate(ref_cache.layers):
                     for h in range(shape.kv_heads):
-                        kc, kr = _hand_quantize(layer.keys[0, h, p], q.key_codebooks[li, h])
-                        vc, vr = _hand_quantize(layer.values[0, h, p], q.value_codebooks[li, h])
+                        kx, vx = layer.keys[0, h, p].clone(), layer.values[0, h, p].clone()
+                        kc, kr = _hand_quantize(kx, q.key_codebooks[li, h])
+                        vc, vr = _hand_quantize(vx, q.value_codebooks[li, h])
+                        originals["keys"][li].append(kx.double())
+                        originals["values"][li].append(vx.double())
+                        sq_err["keys"] += float(((kr.double() - kx.double()) ** 2).sum())
+                        sq_err["values"] += float(((vr.double() - vx.double()) ** 2).sum())
                         layer.keys[0, h, p] = kr
                         layer.values[0, h, p] = vr
                         row += kc + vc
@@ -106,6 +117,13 @@ def test_quantized_logits_match_hand_reference(arch):
             # reference can replace positions before the step that needs them replaced
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     produced = rows.all_rows()
+    # error over variance around each layer's mean vector, all layers pooled
+    for side in ("keys", "values"):
+        var = sum(
+            float(((torch.stack(xs) - torch.stack(xs).mean(0)) ** 2).sum())
+            for xs in originals[side]
+        )
+        assert cache.reconstruction_nmse()[side] == pytest.approx(sq_err[side] / var, rel=1e-6)
     assert produced.shape == (n - recent - sinks, q.row_width)
     want_rows = np.array([hand_codes[p] for p in range(sinks, n - recent)])
     np.testing.assert_array_equal(produced, want_rows)
@@ -138,6 +156,8 @@ def test_keys_only_keeps_values_exact():
     assert not torch.equal(le.keys[..., 2:16, :], la.keys[..., 2:16, :])
     assert torch.equal(le.keys[..., 16:, :], la.keys[..., 16:, :])  # recent window exact
     assert torch.equal(le.keys[..., :2, :], la.keys[..., :2, :])  # sinks exact
+    nmse = arc.reconstruction_nmse()
+    assert nmse["values"] == 0.0 and nmse["keys"] > 0.0
 
 
 def test_prefill_ages_out_relative_to_chunk_end():
