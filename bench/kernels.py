@@ -15,7 +15,8 @@ kernel against the float32 reference on the GPU, and records the extra peak memo
 
     python bench/kernels.py                     # full grid, writes bench/results/kernels.json
     python bench/kernels.py --quick             # a small grid
-    python bench/kernels.py --plot bench/results/kernels.json --figure docs/kernels.png
+    python bench/kernels.py --profile bench/results/kernels_profile.json   # per launch
+    python bench/kernels.py --plot bench/results/kernels.json   # table + docs/kernels*.png
 """
 
 from __future__ import annotations
@@ -242,33 +243,41 @@ def speedup(row, base="sdpa", graph=False):
     return theirs / ours
 
 
-def print_table(data):
+def print_table(data, min_context=0):
+    """A markdown table of the results (speed-ups are SDPA time / kernel time)."""
     bw = data["copy_bandwidth_bytes_per_s"]
-    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
-    head = ("shape", "stages", "ctx", "batch", "rvq ms", "sdpa ms", "flash ms", "x sdpa",
-            "x flash", "x sdpa graph", "rvq GB/s", "roofline ms")
-    print(" | ".join(head))
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)\n")
+    head = ("shape", "K+V stages", "context", "batch", "RVQ ms", "SDPA ms", "flash ms",
+            "x SDPA", "x flash", "RVQ graph ms", "SDPA graph ms", "x SDPA graph",
+            "B/token RVQ", "B/token dense", "RVQ roofline ms")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
     for r in data["results"]:
-        best_dense = r["sdpa_ms"]
+        if r["context"] < min_context:
+            continue
+        tokens = r["context"] * r["batch"]
         cells = [r["shape"], f"{r['key_stages']}+{r['value_stages']}", r["context"], r["batch"],
-                 fmt(r["rvq_ms"]), fmt(best_dense), fmt(r["sdpa_flash_ms"]),
+                 fmt(r["rvq_ms"]), fmt(r["sdpa_ms"]), fmt(r["sdpa_flash_ms"]),
                  fmt(speedup(r), 2), fmt(speedup(r, "sdpa_flash"), 2),
+                 fmt(r["rvq_graph_ms"]), fmt(r["sdpa_graph_ms"]),
                  fmt(speedup(r, graph=True), 2),
-                 fmt(r["rvq_bytes"] / (r["rvq_ms"] * 1e-3) / 1e9, 0),
-                 fmt(r["rvq_bytes"] / bw * 1e3)]
-        print(" | ".join(str(c) for c in cells))
+                 fmt(r["rvq_bytes"] / tokens, 1), fmt(r["dense_bytes"] / tokens, 0),
+                 fmt(r["rvq_bytes"] / bw * 1e3, 4)]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
 def fmt(x, digits=3):
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def plot(data, figure):
+def plot(data, figure, graph=False):
+    """Throughput against context, one panel per (shape, batch); ``graph``: CUDA-graph timings."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    suffix = "_graph_ms" if graph else "_ms"
     batches = sorted({r["batch"] for r in data["results"]})
     fig, axes = plt.subplots(len(SHAPES), len(batches), figsize=(4 * len(batches), 7),
                              squeeze=False, sharex=True)
@@ -279,11 +288,11 @@ def plot(data, figure):
             for stages in STAGES:
                 sel = [r for r in rows if (r["key_stages"], r["value_stages"]) == stages]
                 ax.plot([r["context"] for r in sel],
-                        [batch / (r["rvq_ms"] * 1e-3) for r in sel], "o-",
+                        [batch / (r[f"rvq{suffix}"] * 1e-3) for r in sel], "o-",
                         label=f"RVQ kernel {stages[0]}+{stages[1]}")
             sel = [r for r in rows if (r["key_stages"], r["value_stages"]) == STAGES[0]]
-            for key, label in (("sdpa_ms", "SDPA dense fp16"),
-                               ("sdpa_flash_ms", "SDPA flash dense fp16")):
+            for key, label in ((f"sdpa{suffix}", "SDPA dense fp16"),
+                               (f"sdpa_flash{suffix}", "SDPA flash dense fp16")):
                 pts = [(r["context"], batch / (r[key] * 1e-3)) for r in sel if r[key]]
                 if pts:
                     ax.plot([x for x, _ in pts], [y for _, y in pts], "s--", label=label)
@@ -296,10 +305,48 @@ def plot(data, figure):
             if j == 0:
                 ax.set_ylabel("sequences / s (one layer)")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"Decode attention, {data['device']}, {data['date']}")
+    timing = "CUDA-graph replay" if graph else "do_bench, launches from Python"
+    fig.suptitle(f"Decode attention ({timing}), {data['device']}, {data['date']}")
     fig.tight_layout()
     fig.savefig(figure, dpi=110)
     print(f"wrote {figure}")
+
+
+PROFILED = [("gpt2", (2, 2), 32768, 8), ("qwen3-8b", (2, 2), 32768, 8),
+            ("qwen3-8b", (4, 2), 32768, 1), ("qwen3-8b", (2, 2), 131072, 32)]
+
+
+def profile_launches(out_path):
+    """GPU time of each launch of the kernel (torch.profiler, mean of 10 calls)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kernels import _rvq_triton
+    from kernels._validate import validate_decode_args
+
+    device = torch.device("cuda")
+    rows = []
+    for name, stages, context, batch in PROFILED:
+        case = make_coded_case(SHAPES[name], stages, context, batch, device, torch.float16)
+        problem = validate_decode_args(**case, check_codes=False)
+        for _ in range(3):
+            _rvq_triton.decode(problem)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                _rvq_triton.decode(problem)
+            torch.cuda.synchronize()
+        launches = {e.key: e.device_time_total / e.count for e in prof.key_averages()
+                    if e.key.endswith("_kernel") and e.count}
+        rows.append({"shape": name, "context": context, "batch": batch,
+                     "key_stages": stages[0], "value_stages": stages[1],
+                     "kernels_us": launches})
+        print(name, stages, context, batch, {k: round(v, 1) for k, v in launches.items()})
+    data = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": torch.cuda.get_device_name(device),
+            "method": "torch.profiler CUDA time per call, mean of 10 calls after 3 warm-up calls",
+            "results": rows}
+    Path(out_path).write_text(json.dumps(data, indent=1))
 
 
 def main(argv=None):
@@ -311,12 +358,20 @@ def main(argv=None):
     parser.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph timings")
     parser.add_argument("--plot", metavar="JSON", help="only draw the figure from a results file")
     parser.add_argument("--figure", default="docs/kernels.png")
+    parser.add_argument("--min-context", type=int, default=0, help="table rows from this context")
+    parser.add_argument("--graph-figure", default="docs/kernels_graph.png")
+    parser.add_argument("--profile", metavar="JSON",
+                        help="only time each of the kernel's launches on a few configurations")
     args = parser.parse_args(argv)
 
     if args.plot:
         data = json.loads(Path(args.plot).read_text())
-        print_table(data)
+        print_table(data, args.min_context)
         plot(data, args.figure)
+        plot(data, args.graph_figure, graph=True)
+        return
+    if args.profile:
+        profile_launches(args.profile)
         return
 
     import torch

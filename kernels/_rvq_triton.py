@@ -11,7 +11,8 @@ Four launches per call, none of which forms a dense key or value of the archived
    its heads as the common softmax reference, recomputes its scores, and adds each position's
    weight ``exp2(score - max)`` to the histogram bin of every value centroid the position
    chose (one atomic add per position, head and value stage), and its weight sum to ``l``.
-   A common reference makes the histograms of all splits addable, so no split keeps its own.
+   A common reference makes the histograms of all splits addable: they share out at most
+   ``MAX_REPLICAS`` copies per head (fewer atomics meet at one address) instead of one each.
 4. ``_exact_and_combine_kernel``: one program per (batch, kv head, query-head chunk). Runs an
    online softmax over the exact sink and recent tokens, merges it with the archived part, and
    finishes with one small matmul of the histogram against the value codebooks.

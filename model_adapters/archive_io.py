@@ -22,10 +22,13 @@ from model_adapters.quantizer import KVQuantizer
 __all__ = [
     "CODES_STREAM",
     "ArchiveUnavailableError",
+    "archive_available",
     "check_identity",
     "open_for_writing",
     "read_codes",
     "read_quantizer",
+    "require_fkvstore",
+    "stream_data_bytes",
     "window_arrays",
     "write_window",
 ]
@@ -37,7 +40,8 @@ class ArchiveUnavailableError(RuntimeError):
     """The installed fkvstore has no persistent archive (``fkvstore.open``)."""
 
 
-def _fkvstore():
+def require_fkvstore():
+    """The fkvstore module, or ArchiveUnavailableError when it cannot write archives."""
     try:
         import fkvstore
     except ImportError as exc:  # e.g. the codec it imports is not built
@@ -50,7 +54,7 @@ def _fkvstore():
 def archive_available() -> bool:
     """Whether the installed fkvstore can write archives."""
     try:
-        _fkvstore()
+        require_fkvstore()
     except ArchiveUnavailableError:
         return False
     return True
@@ -64,7 +68,7 @@ def open_for_writing(
     The codebooks and the model identity are written at once, so the file is self-contained
     from the first row on.
     """
-    fkv = _fkvstore()
+    fkv = require_fkvstore()
     shape = kv_shape(model_or_config)
     ar = fkv.open(path, mode)
     attrs = ar.attrs
@@ -141,7 +145,12 @@ def read_quantizer(ar, model_or_config) -> KVQuantizer:
 
 def read_codes(ar) -> np.ndarray:
     """All code rows, ``(n, width)`` int64."""
-    return np.asarray(
-        ar[CODES_STREAM].read() if hasattr(ar, "__getitem__") else ar.stream(CODES_STREAM).read(),
-        dtype=np.int64,
-    )
+    stream = ar[CODES_STREAM]
+    return np.asarray(stream.read(), dtype=np.int64).reshape(len(stream), stream.width)
+
+
+def stream_data_bytes(stream) -> int:
+    """Bytes of a stream's stored data: one 16-byte point (two float64) per span of ``span``
+    symbols in each of the ``width`` columns, the last, partial span included."""
+    spans = -(-len(stream) // stream.span)
+    return spans * stream.width * 16

@@ -15,6 +15,7 @@ was written.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import math
@@ -98,6 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="keep one archive per config here (default: a temporary directory)",
     )
+    p.add_argument(
+        "--codebook-dir",
+        default=None,
+        help="reuse codebooks trained earlier with the same model, text split and k-means "
+        "settings from this directory (trained ones are saved there)",
+    )
+    p.add_argument(
+        "--codebooks-from",
+        default=None,
+        help="use the codebooks stored in this archive (written by an earlier run for the same "
+        "model configuration) instead of training",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -112,6 +126,7 @@ def _validate(args) -> list[QuantConfig]:
         "kmeans_iters",
         "kmeans_points",
         "context",
+        "threads",
     ):
         v = getattr(args, name)
         if v < 0 or (name in ("tokens", "context") and v < 2):
@@ -128,6 +143,8 @@ def _validate(args) -> list[QuantConfig]:
             f"--train-tokens {args.train_tokens} is below the largest codebook size {biggest}; "
             "k-means needs at least one training vector per centroid"
         )
+    if args.codebooks_from is not None and not Path(args.codebooks_from).is_file():
+        raise ValueError(f"--codebooks-from {args.codebooks_from!r} is not a file")
     if not Path(args.model).is_dir():
         raise ValueError(f"--model {args.model!r} is not a directory")
     if args.text is not None and not Path(args.text).is_file():
@@ -150,13 +167,14 @@ def _read_text(path) -> tuple[str, str]:
 
 def _train_sets(configs, model, split, args, context, progress):
     """Codebooks per (pooled, codebook_size), deep enough for every config that uses them."""
+    import numpy as np
     import torch
     from tqdm.auto import tqdm
 
-    from model_adapters.adapters import kv_shape
+    from model_adapters.adapters import config_fingerprint, kv_shape
     from model_adapters.collect import collect_kv
     from model_adapters.configs import QuantConfig
-    from model_adapters.quantizer import train_kv_quantizer
+    from model_adapters.quantizer import KVQuantizer, train_kv_quantizer
 
     need: dict[tuple[bool, int], list[int]] = {}
     for c in configs:
@@ -166,19 +184,42 @@ def _train_sets(configs, model, split, args, context, progress):
     if not need:
         return {}, 0.0, 0.0
     shape = kv_shape(model)
+    sets, paths = {}, {}
+    if args.codebook_dir:
+        key = hashlib.sha256(
+            json.dumps(
+                [
+                    config_fingerprint(model),
+                    split.train_segments,
+                    args.kmeans_iters,
+                    args.seed,
+                    args.kmeans_points,
+                    context,
+                ]
+            ).encode()
+        ).hexdigest()[:16]
+        for (pooled, k), (ks, vs) in need.items():
+            kind = "pooled" if pooled else "perhead"
+            path = Path(args.codebook_dir) / f"{kind}-k{k}-K{ks}V{vs}-{key}.npz"
+            paths[(pooled, k)] = path
+            if path.is_file():
+                with np.load(path) as f:
+                    sets[(pooled, k)] = KVQuantizer.from_arrays(shape, dict(f), pooled=pooled)
+    missing = {pk: st for pk, st in need.items() if pk not in sets}
+    if not missing:
+        return sets, None, None
     t0 = time.perf_counter()
     keys, values = collect_kv(model, split.train_segments, context=context, progress=progress)
     collect_s = time.perf_counter() - t0
     device = next(model.parameters()).device
     keys = [k.to(device) for k in keys]
     values = [v.to(device) for v in values]
-    sets = {}
     t0 = time.perf_counter()
     total = sum(
-        shape.num_layers * (ks > 0) + shape.num_layers * (vs > 0) for ks, vs in need.values()
+        shape.num_layers * (ks > 0) + shape.num_layers * (vs > 0) for ks, vs in missing.values()
     )
     with tqdm(total=total, desc="train codebooks", unit="layer", disable=not progress) as bar:
-        for (pooled, k), (ks, vs) in need.items():
+        for (pooled, k), (ks, vs) in missing.items():
             cfg = QuantConfig(
                 "train", pooled=pooled, codebook_size=k, key_stages=ks, value_stages=vs
             )
@@ -192,10 +233,36 @@ def _train_sets(configs, model, split, args, context, progress):
                 max_points=args.kmeans_points or None,
                 progress=lambda _i: bar.update(1),
             ).to("cpu")
+            if (pooled, k) in paths:
+                paths[(pooled, k)].parent.mkdir(parents=True, exist_ok=True)
+                np.savez(paths[(pooled, k)], **sets[(pooled, k)].to_arrays())
     del keys, values
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return sets, collect_s, time.perf_counter() - t0
+
+
+def _codebooks_from_archive(path, config, configs):
+    """Codebooks of an archive written earlier, checked against the model and every config."""
+    if path is None:
+        return None
+    from model_adapters import archive_io
+
+    fkv = archive_io.require_fkvstore()
+    with fkv.open(path, "r") as ar:
+        q = archive_io.read_quantizer(ar, config)
+    for c in configs:
+        if c.is_exact:
+            continue
+        if (c.pooled, c.codebook_size) != (q.pooled, q.codebook_size) or (
+            c.key_stages > q.key_stages or c.value_stages > q.value_stages
+        ):
+            kind = "pooled" if q.pooled else "perhead"
+            raise ValueError(
+                f"config {c.name!r} cannot use the codebooks of {path!r} ({kind}, "
+                f"k={q.codebook_size}, K{q.key_stages}V{q.value_stages})"
+            )
+    return {(q.pooled, q.codebook_size): q}
 
 
 def _evaluate_config(cfg, quantizer, model, split, args, archive_dir, progress):
@@ -225,6 +292,7 @@ def _evaluate_config(cfg, quantizer, model, split, args, archive_dir, progress):
     nlls = token_nlls(model, split.passage, cache, progress=progress, desc=cfg.name)
     seconds = time.perf_counter() - t0
     storage = {
+        "nmse": cache.reconstruction_nmse() if quantizer is not None else None,
         "archived_tokens": cache.archived_tokens if quantizer is not None else 0,
         "archive": None,
         "code_stream_bytes": None,
@@ -237,9 +305,11 @@ def _evaluate_config(cfg, quantizer, model, split, args, archive_dir, progress):
         storage["packed_code_bytes_per_token"] = quantizer.row_width * bits / 8
         if ar is not None:
             storage["window_bytes"] = archive_io.write_window(ar, cache)
+            ar.flush()
+            storage["code_stream_bytes"] = archive_io.stream_data_bytes(stream)
             ar.close()
-            storage["code_stream_bytes"] = archive_io.stream_data_bytes(path)
             storage["archive"] = path.name
+            storage["archive_file_bytes"] = path.stat().st_size
         else:
             storage["window_bytes"] = int(sum(a.nbytes for a in archive_io.window_arrays(cache)))
             storage["archive_pending"] = "this fkvstore has no persistent archive (fkvstore.open)"
@@ -282,6 +352,8 @@ def _summarise(cfg, nlls, base, storage, shape, tokens, seconds):
     total = None if code is None else code + storage["window_bytes"] + storage["codebook_bytes"]
     row.update(
         archived_tokens=archived,
+        key_nmse=storage["nmse"]["keys"],
+        value_nmse=storage["nmse"]["values"],
         code_bytes_per_token=code_pt,
         packed_code_bytes_per_token=storage["packed_code_bytes_per_token"],
         window_bytes=storage["window_bytes"],
@@ -291,6 +363,8 @@ def _summarise(cfg, nlls, base, storage, shape, tokens, seconds):
         compression_vs_fp16_total=None if total is None else fp16 / (total / tokens),
         archive=storage["archive"],
     )
+    if "archive_file_bytes" in storage:
+        row["archive_file_bytes"] = storage["archive_file_bytes"]
     if "archive_pending" in storage:
         row["archive_pending"] = storage["archive_pending"]
     return row
@@ -332,6 +406,8 @@ def run(args) -> dict:
     from model_adapters.text import clean_text, split_tokens
 
     progress = not args.no_progress
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     config = AutoConfig.from_pretrained(args.model)
     shape = kv_shape(config)  # refuses unsupported architectures before loading weights
@@ -340,13 +416,17 @@ def run(args) -> dict:
             f"--tokens {args.tokens} exceeds the model's {max_positions(config)} positions"
         )
     context = min(args.context, max_positions(config))
+    preset = _codebooks_from_archive(args.codebooks_from, config, configs)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     model.to(device).eval()
     split = split_tokens(
         clean_text(raw, keep_quotes=args.keep_quotes), tokenizer, args.tokens, args.train_tokens
     )
-    sets, collect_s, train_s = _train_sets(configs, model, split, args, context, progress)
+    if preset is not None:
+        sets, collect_s, train_s = preset, None, None
+    else:
+        sets, collect_s, train_s = _train_sets(configs, model, split, args, context, progress)
 
     tmp = None
     archive_dir = args.archive_dir
@@ -408,9 +488,11 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from model_adapters.archive_io import ArchiveUnavailableError
+
     try:
         result = run(args)
-    except ValueError as exc:
+    except (ValueError, ArchiveUnavailableError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_table(result))

@@ -45,6 +45,8 @@ class ArchivingLayer(DynamicLayer):
         self.recent = recent
         self.rows = rows
         self.archived_until = 0  # positions [sinks, archived_until) hold reconstructions
+        # per side (K, V): [squared error, sum of x, sum of x^2, vectors] of archived positions
+        self.error_stats = [[0.0, None, 0.0, 0], [0.0, None, 0.0, 0]]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values = super().update(key_states, value_states, *args, **kwargs)
@@ -53,9 +55,10 @@ class ArchivingLayer(DynamicLayer):
         end = keys.shape[-2] - self.recent
         start = max(self.archived_until, self.sinks)
         if end > start:
-            kc, kr, vc, vr = self.quantizer.quantize(
-                self.layer_idx, keys[..., start:end, :], values[..., start:end, :]
-            )
+            old_k, old_v = keys[..., start:end, :], values[..., start:end, :]
+            kc, kr, vc, vr = self.quantizer.quantize(self.layer_idx, old_k, old_v)
+            self._track_error(0, old_k, kr)
+            self._track_error(1, old_v, vr)
             if self.quantizer.key_stages:
                 self.keys[..., start:end, :] = kr
             if self.quantizer.value_stages:
@@ -64,6 +67,14 @@ class ArchivingLayer(DynamicLayer):
                 self.rows.add(self.layer_idx, kc, vc)
             self.archived_until = end
         return self.keys, self.values
+
+    def _track_error(self, side: int, x: torch.Tensor, recon: torch.Tensor) -> None:
+        x64 = x.detach().double().reshape(-1, x.shape[-1])
+        st = self.error_stats[side]
+        st[0] += float(((recon.double().reshape(-1, x.shape[-1]) - x64) ** 2).sum())
+        st[1] = x64.sum(0) if st[1] is None else st[1] + x64.sum(0)
+        st[2] += float((x64**2).sum())
+        st[3] += x64.shape[0]
 
     def crop(self, tokens_to_remove: int) -> None:
         keep = (
@@ -136,6 +147,25 @@ class ArchivingCache(Cache):
         return min(
             (layer.archived_until - min(layer.archived_until, self.sinks)) for layer in self.layers
         )
+
+    def reconstruction_nmse(self) -> dict[str, float | None]:
+        """Squared reconstruction error of the archived keys and values, each over their total
+        variance around the mean (all layers pooled); 0 on an exact side, None before any
+        position was archived."""
+        out = {}
+        for name, side in (("keys", 0), ("values", 1)):
+            err = sum(layer.error_stats[side][0] for layer in self.layers)
+            n = sum(layer.error_stats[side][3] for layer in self.layers)
+            if n == 0:
+                out[name] = None
+                continue
+            var = sum(
+                st[2] - float((st[1] ** 2).sum()) / st[3]
+                for st in (layer.error_stats[side] for layer in self.layers)
+                if st[3]
+            )
+            out[name] = err / var if var > 0 else None
+        return out
 
 
 def cache_kwarg(model) -> str:

@@ -61,3 +61,21 @@ def rate_distortion(results: list[dict], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def main(argv=None) -> int:
+    """``python -m model_adapters.plot RESULT.json [...] --out FIG.png``: one panel per run."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m model_adapters.plot", description=main.__doc__)
+    p.add_argument("results", nargs="+", help="JSON files written by model_adapters.eval --json")
+    p.add_argument("--out", required=True, help="figure path (.png, .svg, .pdf)")
+    args = p.parse_args(argv)
+    rate_distortion([json.loads(Path(r).read_text()) for r in args.results], args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

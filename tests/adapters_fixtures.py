@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +46,75 @@ def tiny_qwen3(vocab_size: int = 101, seed: int = 0):
 
 
 TINY_MODELS = {"gpt2": tiny_gpt2, "qwen3": tiny_qwen3}
+
+
+TOKENIZER_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "gpt2-tokenizer"
+
+
+def random_quantizer(model, key_stages=2, value_stages=1, k=16, seed=0):
+    """A KVQuantizer with random Gaussian codebooks shaped for ``model``."""
+    from model_adapters.adapters import kv_shape
+    from model_adapters.quantizer import KVQuantizer
+
+    shape = kv_shape(model)
+    g = torch.Generator().manual_seed(seed)
+
+    def books(stages):
+        if stages == 0:
+            return None
+        return 0.5 * torch.randn(
+            shape.num_layers, shape.kv_heads, stages, k, shape.head_dim, generator=g
+        )
+
+    return KVQuantizer(shape, books(key_stages), books(value_stages))
+
+
+BOOK = """\ufeffThe Project Gutenberg eBook of Nothing
+Release date: never
+*** START OF THE PROJECT GUTENBERG EBOOK NOTHING ***
+CONTENTS
+ I Arrival
+ II Departure
+
+ I.
+ Arrival
+
+{body}
+*** END OF THE PROJECT GUTENBERG EBOOK NOTHING ***
+Licence text that must not be read.
+"""
+
+
+def make_book(words: int = 1500) -> str:
+    """A small Gutenberg-style book: header, contents, chapter I, curly quotes, footer."""
+    vocab = [
+        "the",
+        "time",
+        "machine",
+        "\u201cquick\u201d",
+        "brown",
+        "fox",
+        "it\u2019s",
+        "over",
+        "lazy",
+        "dog.",
+        "and",
+        "then",
+    ]
+    body = " ".join(vocab[(i * 7 + i // 3) % len(vocab)] for i in range(words))
+    return BOOK.format(body=body)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny GPT-2 saved with save_pretrained beside the GPT-2 tokenizer, and a book file."""
+    if not TOKENIZER_DIR.is_dir():
+        pytest.skip("GPT-2 tokenizer files not present")
+    d = tmp_path_factory.mktemp("tiny-gpt2")
+    tiny_gpt2(vocab_size=50257).save_pretrained(d)
+    transformers.GPT2Tokenizer(
+        vocab=str(TOKENIZER_DIR / "vocab.json"), merges=str(TOKENIZER_DIR / "merges.txt")
+    ).save_pretrained(d)
+    book = d / "book.txt"
+    book.write_text(make_book(), encoding="utf-8")
+    return d, book

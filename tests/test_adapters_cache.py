@@ -4,28 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from adapters_fixtures import TINY_MODELS, torch
+from adapters_fixtures import TINY_MODELS, random_quantizer, torch
 
 from model_adapters.adapters import config_fingerprint, kv_shape
 from model_adapters.code_rows import CodeRows
 from model_adapters.hf_cache import ArchivingCache, cache_kwarg, output_cache
-from model_adapters.quantizer import KVQuantizer
 
 DynamicCache = pytest.importorskip("transformers").DynamicCache
-
-
-def _random_quantizer(model, key_stages=2, value_stages=1, k=16, seed=0):
-    shape = kv_shape(model)
-    g = torch.Generator().manual_seed(seed)
-
-    def books(stages):
-        if stages == 0:
-            return None
-        return 0.5 * torch.randn(
-            shape.num_layers, shape.kv_heads, stages, k, shape.head_dim, generator=g
-        )
-
-    return KVQuantizer(shape, books(key_stages), books(value_stages))
 
 
 def _hand_quantize(x: torch.Tensor, books: torch.Tensor):
@@ -47,7 +32,7 @@ def test_full_window_reproduces_dynamic_cache_forward(arch):
     model = TINY_MODELS[arch]()
     kw = cache_kwarg(model)
     ids = torch.randint(2, 100, (2, 24), generator=torch.Generator().manual_seed(1))
-    q = _random_quantizer(model)  # present, but the window covers everything
+    q = random_quantizer(model)  # present, but the window covers everything
     with torch.no_grad():
         ref_cache, arc_cache = (
             DynamicCache(config=model.config),
@@ -61,6 +46,7 @@ def test_full_window_reproduces_dynamic_cache_forward(arch):
     for a, b in zip(ref, got, strict=True):
         assert torch.equal(a, b)
     assert arc_cache.archived_tokens == 0
+    assert arc_cache.reconstruction_nmse() == {"keys": None, "values": None}
     assert arc_cache.get_seq_length() == 24
 
 
@@ -70,7 +56,7 @@ def test_full_window_reproduces_dynamic_cache_generate(arch):
     kw = cache_kwarg(model)
     ids = torch.randint(2, 100, (1, 12), generator=torch.Generator().manual_seed(2))
     rows = CodeRows(kv_shape(model).num_layers, keep=True)
-    cache = ArchivingCache(model, _random_quantizer(model), sinks=4, recent=40, rows=rows)
+    cache = ArchivingCache(model, random_quantizer(model), sinks=4, recent=40, rows=rows)
     with torch.no_grad():
         settings = dict(
             max_new_tokens=20,
@@ -93,12 +79,17 @@ def test_quantized_logits_match_hand_reference(arch):
     kw = cache_kwarg(model)
     shape = kv_shape(model)
     sinks, recent, n = 3, 5, 26
-    q = _random_quantizer(model, key_stages=2, value_stages=1, seed=4)
+    q = random_quantizer(model, key_stages=2, value_stages=1, seed=4)
     ids = torch.randint(2, 100, (1, n), generator=torch.Generator().manual_seed(3))
     rows = CodeRows(shape.num_layers, keep=True)
     cache = ArchivingCache(model, q, sinks=sinks, recent=recent, rows=rows)
     ref_cache = DynamicCache(config=model.config)
     hand_codes = {}  # position -> row, built column by column in the documented order
+    originals = {
+        "keys": [[] for _ in range(shape.num_layers)],
+        "values": [[] for _ in range(shape.num_layers)],
+    }
+    sq_err = {"keys": 0.0, "values": 0.0}
     replaced = sinks
     with torch.no_grad():
         for t in range(n):
@@ -108,8 +99,13 @@ def test_quantized_logits_match_hand_reference(arch):
                 row = []
                 for li, layer in enumerate(ref_cache.layers):
                     for h in range(shape.kv_heads):
-                        kc, kr = _hand_quantize(layer.keys[0, h, p], q.key_codebooks[li, h])
-                        vc, vr = _hand_quantize(layer.values[0, h, p], q.value_codebooks[li, h])
+                        kx, vx = layer.keys[0, h, p].clone(), layer.values[0, h, p].clone()
+                        kc, kr = _hand_quantize(kx, q.key_codebooks[li, h])
+                        vc, vr = _hand_quantize(vx, q.value_codebooks[li, h])
+                        originals["keys"][li].append(kx.double())
+                        originals["values"][li].append(vx.double())
+                        sq_err["keys"] += float(((kr.double() - kx.double()) ** 2).sum())
+                        sq_err["values"] += float(((vr.double() - vx.double()) ** 2).sum())
                         layer.keys[0, h, p] = kr
                         layer.values[0, h, p] = vr
                         row += kc + vc
@@ -121,6 +117,13 @@ def test_quantized_logits_match_hand_reference(arch):
             # reference can replace positions before the step that needs them replaced
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     produced = rows.all_rows()
+    # error over variance around each layer's mean vector, all layers pooled
+    for side in ("keys", "values"):
+        var = sum(
+            float(((torch.stack(xs) - torch.stack(xs).mean(0)) ** 2).sum())
+            for xs in originals[side]
+        )
+        assert cache.reconstruction_nmse()[side] == pytest.approx(sq_err[side] / var, rel=1e-6)
     assert produced.shape == (n - recent - sinks, q.row_width)
     want_rows = np.array([hand_codes[p] for p in range(sinks, n - recent)])
     np.testing.assert_array_equal(produced, want_rows)
@@ -140,7 +143,7 @@ def test_quantized_logits_match_hand_reference(arch):
 def test_keys_only_keeps_values_exact():
     model = TINY_MODELS["gpt2"]()
     kw = cache_kwarg(model)
-    q = _random_quantizer(model, key_stages=1, value_stages=0)
+    q = random_quantizer(model, key_stages=1, value_stages=0)
     ids = torch.randint(2, 100, (1, 20), generator=torch.Generator().manual_seed(5))
     exact, arc = DynamicCache(config=model.config), ArchivingCache(model, q, sinks=2, recent=4)
     with torch.no_grad():
@@ -153,13 +156,15 @@ def test_keys_only_keeps_values_exact():
     assert not torch.equal(le.keys[..., 2:16, :], la.keys[..., 2:16, :])
     assert torch.equal(le.keys[..., 16:, :], la.keys[..., 16:, :])  # recent window exact
     assert torch.equal(le.keys[..., :2, :], la.keys[..., :2, :])  # sinks exact
+    nmse = arc.reconstruction_nmse()
+    assert nmse["values"] == 0.0 and nmse["keys"] > 0.0
 
 
 def test_prefill_ages_out_relative_to_chunk_end():
     model = TINY_MODELS["qwen3"]()
     kw = cache_kwarg(model)
     rows = CodeRows(2, keep=True)
-    cache = ArchivingCache(model, _random_quantizer(model), sinks=4, recent=8, rows=rows)
+    cache = ArchivingCache(model, random_quantizer(model), sinks=4, recent=8, rows=rows)
     with torch.no_grad():
         out = model(torch.arange(2, 32)[None], **{kw: cache})
     assert output_cache(out) is cache
@@ -169,7 +174,7 @@ def test_prefill_ages_out_relative_to_chunk_end():
 def test_archiving_needs_batch_one():
     model = TINY_MODELS["gpt2"]()
     cache = ArchivingCache(
-        model, _random_quantizer(model), sinks=1, recent=2, rows=CodeRows(2, keep=True)
+        model, random_quantizer(model), sinks=1, recent=2, rows=CodeRows(2, keep=True)
     )
     with pytest.raises(ValueError, match="batch size 1"), torch.no_grad():
         model(torch.ones(2, 8, dtype=torch.long), **{cache_kwarg(model): cache})
@@ -177,7 +182,7 @@ def test_archiving_needs_batch_one():
 
 def test_crop_refuses_archived_positions():
     model = TINY_MODELS["gpt2"]()
-    cache = ArchivingCache(model, _random_quantizer(model), sinks=1, recent=2)
+    cache = ArchivingCache(model, random_quantizer(model), sinks=1, recent=2)
     with torch.no_grad():
         model(torch.ones(1, 8, dtype=torch.long), **{cache_kwarg(model): cache})
     with pytest.raises(ValueError, match="already archived"):
@@ -189,7 +194,7 @@ def test_cache_rejects_bad_arguments():
     with pytest.raises(ValueError, match="recent must be a non-negative int, got -1"):
         ArchivingCache(gpt2, None, recent=-1)
     with pytest.raises(ValueError, match="quantizer was built for"):
-        ArchivingCache(qwen3, _random_quantizer(gpt2))
+        ArchivingCache(qwen3, random_quantizer(gpt2))
     bert = pytest.importorskip("transformers").BertConfig()
     with pytest.raises(ValueError, match="model_type 'bert' is not supported"):
         ArchivingCache(bert)

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from adapters_fixtures import tiny_gpt2, transformers
+from adapters_fixtures import TOKENIZER_DIR, make_book, tiny_checkpoint, transformers  # noqa: F401
 
 from model_adapters import eval as adapters_eval
 from model_adapters.configs import ALL_CONFIGS, expand_configs, parse_config
 from model_adapters.text import chapter_one_offset, clean_text, split_tokens, strip_gutenberg
 
-TOKENIZER_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "gpt2-tokenizer"
 needs_tokenizer = pytest.mark.skipif(
     not TOKENIZER_DIR.is_dir(), reason="GPT-2 tokenizer files not present"
 )
@@ -61,43 +59,8 @@ def test_config_grammar_rejects(bad):
         parse_config(bad)
 
 
-BOOK = """\ufeffThe Project Gutenberg eBook of Nothing
-Release date: never
-*** START OF THE PROJECT GUTENBERG EBOOK NOTHING ***
-CONTENTS
- I Arrival
- II Departure
-
- I.
- Arrival
-
-{body}
-*** END OF THE PROJECT GUTENBERG EBOOK NOTHING ***
-Licence text that must not be read.
-"""
-
-
-def _book(words: int = 1500) -> str:
-    vocab = [
-        "the",
-        "time",
-        "machine",
-        "\u201cquick\u201d",
-        "brown",
-        "fox",
-        "it\u2019s",
-        "over",
-        "lazy",
-        "dog.",
-        "and",
-        "then",
-    ]
-    body = " ".join(vocab[(i * 7 + i // 3) % len(vocab)] for i in range(words))
-    return BOOK.format(body=body)
-
-
 def test_clean_text_strips_boilerplate_and_quotes():
-    raw = _book(50)
+    raw = make_book(50)
     text = clean_text(raw)
     assert "Licence" not in text and "Release date" not in text and "START OF" not in text
     assert "\u201c" not in text and "\u2019" not in text and '"quick"' in text and "it's" in text
@@ -120,7 +83,7 @@ def test_split_passage_and_training_span_are_disjoint():
     tok = transformers.GPT2Tokenizer(
         vocab=str(TOKENIZER_DIR / "vocab.json"), merges=str(TOKENIZER_DIR / "merges.txt")
     )
-    text = clean_text(_book(400))
+    text = clean_text(make_book(400))
     split = split_tokens(text, tok, 50, 10_000)
     off = chapter_one_offset(text)
     assert split.chapter_found and len(split.passage) == 50
@@ -133,21 +96,7 @@ def test_split_passage_and_training_span_are_disjoint():
         split_tokens(text, tok, 100_000, 10)
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    if not TOKENIZER_DIR.is_dir():
-        pytest.skip("GPT-2 tokenizer files not present")
-    d = tmp_path_factory.mktemp("tiny-gpt2")
-    tiny_gpt2(vocab_size=50257).save_pretrained(d)
-    transformers.GPT2Tokenizer(
-        vocab=str(TOKENIZER_DIR / "vocab.json"), merges=str(TOKENIZER_DIR / "merges.txt")
-    ).save_pretrained(d)
-    book = d / "book.txt"
-    book.write_text(_book(), encoding="utf-8")
-    return d, book
-
-
-def test_cli_end_to_end(tiny_checkpoint, tmp_path, capsys):
+def test_cli_end_to_end(tiny_checkpoint, tmp_path, capsys):  # noqa: F811
     model_dir, book = tiny_checkpoint
     out = tmp_path / "res.json"
     rc = adapters_eval.main(
@@ -228,3 +177,22 @@ def test_cli_rejects_bad_input_before_work(tmp_path, capsys, args, message):
     assert rc == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_cli_reuses_saved_codebooks(tiny_checkpoint, tmp_path):  # noqa: F811
+    model_dir, book = tiny_checkpoint
+    common = ["--model", str(model_dir), "--text", str(book), "--tokens", "40"]
+    common += ["--train-tokens", "300", "--config", "perhead-k8-K2V1", "--sinks", "1"]
+    common += ["--recent", "4", "--kmeans-iters", "2", "--no-progress", "--threads", "1"]
+    common += ["--codebook-dir", str(tmp_path / "books")]
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    assert (
+        adapters_eval.main([*common, "--json", str(first), "--plot", str(tmp_path / "a.png")]) == 0
+    )
+    assert len(list((tmp_path / "books").glob("perhead-k8-K2V1-*.npz"))) == 1
+    assert (
+        adapters_eval.main([*common, "--json", str(second), "--plot", str(tmp_path / "b.png")]) == 0
+    )
+    a, b = json.loads(first.read_text()), json.loads(second.read_text())
+    assert a["train_seconds"] is not None and b["train_seconds"] is None
+    assert [r["ppl"] for r in a["configs"]] == [r["ppl"] for r in b["configs"]]
