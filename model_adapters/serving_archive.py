@@ -30,10 +30,10 @@ import torch
 from model_adapters.adapters import config_fingerprint, kv_shape
 from model_adapters.archive_io import (
     CODES_STREAM,
-    _fkvstore,
     check_identity,
     open_for_writing,
     read_quantizer,
+    require_fkvstore,
 )
 from model_adapters.code_rows import CodeRows
 from model_adapters.hf_cache import cache_kwarg
@@ -332,7 +332,7 @@ def resume(
 def _open_chain(path, mode, model, opened):
     """Open ``path`` and, for a fork, its parents (read-only); appends every archive opened to
     ``opened`` (``path``'s first). Returns ``(archive, codes view, tokens view)``."""
-    ar = _fkvstore().open(path, mode)
+    ar = require_fkvstore().open(path, mode)
     opened.append(ar)
     attrs = ar.attrs
     if "parent" not in attrs:
