@@ -4,7 +4,9 @@ One query token per sequence, one layer's attention op. For every (model shape, 
 context, batch) the script times, in the same process with CUDA events
 (``triton.testing.do_bench``, median):
 
-* ``rvq``: the Triton kernel on the coded cache (4 exact sinks + archived codes + 32 exact recent);
+* ``rvq``: a Triton kernel variant (``--variant``, default the one-hot kernel) on the coded cache
+  (4 exact sinks + archived codes + 32 exact recent), and beside it the variants of
+  ``--compare`` (default the atomic kernel; keys ``atomic_ms`` ...);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on the dense fp16 K/V with the
   backend torch picks, and ``sdpa_flash`` with the flash backend forced (``None`` where it refuses);
 * the same three under CUDA-graph replay (``do_bench_cudagraph``), which removes the host's
@@ -17,6 +19,7 @@ kernel against the float32 reference on the GPU, and records the extra peak memo
     python bench/kernels.py --quick             # a small grid
     python bench/kernels.py --profile bench/results/kernels_profile.json   # per launch
     python bench/kernels.py --plot bench/results/kernels.json   # table + docs/kernels*.png
+    python bench/kernels.py --sweep ...          # also split counts / warps / pipelining
 """
 
 from __future__ import annotations
@@ -148,11 +151,13 @@ def sdpa_callable(q, k, v, flash: bool):
 
 
 def check_correctness(device):
-    """Relative error of the kernel against the float32 reference, per shape, stages, dtype."""
+    """Relative error of each kernel variant against the float32 reference, per shape, stages,
+    dtype (batch 4, 8K context, ragged lengths)."""
     import torch
 
+    from kernels import _rvq_triton
+    from kernels._validate import validate_decode_args
     from kernels.reference import reference_decode_attention
-    from kernels.rvq_decode import rvq_decode_attention
 
     rows = []
     for name, shape in SHAPES.items():
@@ -163,21 +168,31 @@ def check_correctness(device):
                 case = make_coded_case(shape, stages, context, batch, device, dtype, seed=1,
                                        lengths=lengths)
                 case["recent_lengths"] = torch.tensor([RECENT, 3, 0, RECENT], device=device)
-                out = rvq_decode_attention(**case, backend="triton")
                 ref = reference_decode_attention(**case, out_dtype=torch.float32)
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                rows.append({"shape": name, "key_stages": stages[0], "value_stages": stages[1],
-                             "dtype": str(dtype).replace("torch.", ""), "rel_error": err,
-                             "nan": bool(out.isnan().any())})
-                print(f"correctness {name} {stages} {dtype}: rel error {err:.2e}")
+                problem = validate_decode_args(**case)
+                for variant in _rvq_triton.VARIANTS:
+                    try:
+                        out = _rvq_triton.decode(problem, variant=variant)
+                    except Exception as exc:  # report, keep measuring the other variant
+                        print(f"correctness {variant} failed: {exc!r}"[:2000], file=sys.stderr)
+                        rows.append({"shape": name, "variant": variant, "error": repr(exc)[:500]})
+                        continue
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    rows.append({"shape": name, "key_stages": stages[0],
+                                 "value_stages": stages[1], "variant": variant,
+                                 "dtype": str(dtype).replace("torch.", ""), "rel_error": err,
+                                 "nan": bool(out.isnan().any())})
+                    print(f"correctness {variant} {name} {stages} {dtype}: rel error {err:.2e}")
     return rows
 
 
-def run_grid(contexts, batches, device, graphs: bool):
+def run_grid(contexts, batches, device, graphs: bool, variant_under_test: str = "onehot",
+             compare=("atomic",), on_row=None):
+    """Rows of timings; ``compare``: further kernel variants timed beside the one under test
+    (keys ``<variant>_ms``...); ``on_row(results)`` after each row (partial saves)."""
     import torch
     from tqdm import tqdm
 
-    from kernels import _rvq_triton
     from kernels._validate import validate_decode_args
 
     results = []
@@ -210,29 +225,89 @@ def run_grid(contexts, batches, device, graphs: bool):
         for stages in STAGES:
             case = make_coded_case(shape, stages, context, batch, device, torch.float16)
             problem = validate_decode_args(**case, check_codes=False)
-
-            def rvq(problem=problem):
-                return _rvq_triton.decode(problem)
-
-            rvq()
             row = dict(row_base, key_stages=stages[0], value_stages=stages[1],
-                       num_splits=_rvq_triton.choose_num_splits(problem),
-                       rvq_ms=time_ms(rvq, False),
-                       rvq_graph_ms=time_ms(rvq, True) if graphs else None,
-                       rvq_extra_peak_bytes=extra_peak_bytes(rvq),
                        rvq_bytes=coded_bytes(shape, stages, context, batch),
                        dense_bytes=dense_bytes(shape, context, batch),
                        coded_cache_bytes=sum(t.numel() * t.element_size()
                                              for t in case.values()),
                        dense_cache_bytes=2 * batch * hkv * context * d * 2)
+            # "rvq": the variant under test; "atomic": the histogram-by-atomics baseline
+            for prefix, variant in (("rvq", variant_under_test),
+                                    *((v, v) for v in compare if v != variant_under_test)):
+                row[f"{prefix}_variant"] = variant
+                row.update(time_variant(problem, variant, prefix, graphs))
             for label, rec in dense.items():
                 row[f"{label}_ms"] = rec["ms"]
                 row[f"{label}_graph_ms"] = rec["graph_ms"]
                 row[f"{label}_extra_peak_bytes"] = rec["extra_peak_bytes"]
             results.append(row)
+            if on_row is not None:
+                on_row(results)
             del case, problem
             torch.cuda.empty_cache()
     return results
+
+
+def time_variant(problem, variant, prefix, graphs):
+    """Timings and extra peak memory of one kernel variant (``None`` where it fails)."""
+    from kernels import _rvq_triton
+
+    def rvq():
+        return _rvq_triton.decode(problem, variant=variant)
+
+    try:
+        rvq()
+    except Exception as exc:  # report, keep measuring the rest
+        print(f"  {variant} failed: {exc!r}"[:2000], file=sys.stderr)
+        return {f"{prefix}_ms": None, f"{prefix}_graph_ms": None,
+                f"{prefix}_error": repr(exc)[:500]}
+    return {f"{prefix}_ms": time_ms(rvq, False),
+            f"{prefix}_graph_ms": time_ms(rvq, True) if graphs else None,
+            f"{prefix}_extra_peak_bytes": extra_peak_bytes(rvq)}
+
+
+SWEPT = [("qwen3-8b", (2, 2), 32768, 1), ("qwen3-8b", (4, 2), 65536, 8),
+         ("qwen3-8b", (2, 2), 131072, 32), ("gpt2", (2, 2), 32768, 1),
+         ("gpt2", (4, 2), 131072, 8)]
+# (warps, pipelining stages, positions per step as a multiple of the default)
+TUNINGS = [(4, None, 1), (8, None, 1), (4, 1, 1), (8, None, 2)]
+
+
+def sweep_splits(device, waves=(2, 4, 8, 16)):
+    """CUDA-graph time of the one-hot kernel over split counts and tunings on a few configs."""
+    import torch
+
+    from kernels import _rvq_onehot
+    from kernels._validate import validate_decode_args
+
+    rows = []
+    for name, stages, context, batch in SWEPT:
+        case = make_coded_case(SHAPES[name], stages, context, batch, device, torch.float16)
+        problem = validate_decode_args(**case, check_codes=False)
+        base_n = _rvq_onehot.plan_for(problem).block_n
+        for wave in waves:
+            splits = _rvq_onehot.choose_num_splits(problem, waves=wave)
+            for nw, ns, n_mult in TUNINGS:
+                def fn(splits=splits, nw=nw, ns=ns, bn=base_n * n_mult, problem=problem):
+                    return _rvq_onehot.decode(problem, num_splits=splits, num_warps=nw,
+                                              num_stages=ns, block_n=bn)
+
+                try:
+                    fn()
+                    ms = time_ms(fn, True)
+                except Exception as exc:
+                    print(f"  sweep failed: {exc!r}"[:1000], file=sys.stderr)
+                    ms = None
+                rows.append({"shape": name, "key_stages": stages[0], "value_stages": stages[1],
+                             "context": context, "batch": batch, "waves": wave,
+                             "num_splits": splits, "num_warps": nw, "num_stages": ns,
+                             "block_n": base_n * n_mult, "graph_ms": ms})
+                print(f"sweep {name} {stages} ctx={context} b={batch} waves={wave} "
+                      f"splits={splits} warps={nw} stages={ns} block_n={base_n * n_mult}: "
+                      f"{fmt(ms)} ms", flush=True)
+        del case, problem
+        torch.cuda.empty_cache()
+    return rows
 
 
 def speedup(row, base="sdpa", graph=False):
@@ -249,18 +324,21 @@ def print_table(data, min_context=0):
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)\n")
     head = ("shape", "K+V stages", "context", "batch", "RVQ ms", "SDPA ms", "flash ms",
             "x SDPA", "x flash", "RVQ graph ms", "SDPA graph ms", "x SDPA graph",
-            "B/token RVQ", "B/token dense", "RVQ roofline ms")
+            "atomic graph ms", "x atomic graph", "B/token RVQ", "B/token dense",
+            "RVQ roofline ms")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in data["results"]:
         if r["context"] < min_context:
             continue
         tokens = r["context"] * r["batch"]
+        atomic = r.get("atomic_graph_ms")
         cells = [r["shape"], f"{r['key_stages']}+{r['value_stages']}", r["context"], r["batch"],
                  fmt(r["rvq_ms"]), fmt(r["sdpa_ms"]), fmt(r["sdpa_flash_ms"]),
                  fmt(speedup(r), 2), fmt(speedup(r, "sdpa_flash"), 2),
                  fmt(r["rvq_graph_ms"]), fmt(r["sdpa_graph_ms"]),
-                 fmt(speedup(r, graph=True), 2),
+                 fmt(speedup(r, graph=True), 2), fmt(atomic),
+                 fmt(atomic / r["rvq_graph_ms"] if atomic and r["rvq_graph_ms"] else None, 2),
                  fmt(r["rvq_bytes"] / tokens, 1), fmt(r["dense_bytes"] / tokens, 0),
                  fmt(r["rvq_bytes"] / bw * 1e3, 4)]
         print("| " + " | ".join(str(c) for c in cells) + " |")
@@ -287,9 +365,12 @@ def plot(data, figure, graph=False):
             rows = [r for r in data["results"] if r["shape"] == name and r["batch"] == batch]
             for stages in STAGES:
                 sel = [r for r in rows if (r["key_stages"], r["value_stages"]) == stages]
-                ax.plot([r["context"] for r in sel],
-                        [batch / (r[f"rvq{suffix}"] * 1e-3) for r in sel], "o-",
-                        label=f"RVQ kernel {stages[0]}+{stages[1]}")
+                for prefix, style, what in (("rvq", "o-", "one-hot"), ("atomic", "x:", "atomic")):
+                    pts = [(r["context"], batch / (r[f"{prefix}{suffix}"] * 1e-3)) for r in sel
+                           if r.get(f"{prefix}{suffix}")]
+                    if pts:
+                        ax.plot([x for x, _ in pts], [y for _, y in pts], style,
+                                label=f"RVQ {what} {stages[0]}+{stages[1]}")
             sel = [r for r in rows if (r["key_stages"], r["value_stages"]) == STAGES[0]]
             for key, label in ((f"sdpa{suffix}", "SDPA dense fp16"),
                                (f"sdpa_flash{suffix}", "SDPA flash dense fp16")):
@@ -329,19 +410,21 @@ def profile_launches(out_path):
     for name, stages, context, batch in PROFILED:
         case = make_coded_case(SHAPES[name], stages, context, batch, device, torch.float16)
         problem = validate_decode_args(**case, check_codes=False)
-        for _ in range(3):
-            _rvq_triton.decode(problem)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                _rvq_triton.decode(problem)
+        for variant in _rvq_triton.VARIANTS:
+            for _ in range(3):
+                _rvq_triton.decode(problem, variant=variant)
             torch.cuda.synchronize()
-        launches = {e.key: e.device_time_total / e.count for e in prof.key_averages()
-                    if e.key.endswith("_kernel") and e.count}
-        rows.append({"shape": name, "context": context, "batch": batch,
-                     "key_stages": stages[0], "value_stages": stages[1],
-                     "kernels_us": launches})
-        print(name, stages, context, batch, {k: round(v, 1) for k, v in launches.items()})
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    _rvq_triton.decode(problem, variant=variant)
+                torch.cuda.synchronize()
+            launches = {e.key: e.device_time_total / e.count for e in prof.key_averages()
+                        if e.key.endswith("_kernel") and e.count}
+            rows.append({"shape": name, "context": context, "batch": batch,
+                         "key_stages": stages[0], "value_stages": stages[1],
+                         "variant": variant, "kernels_us": launches})
+            print(variant, name, stages, context, batch,
+                  {k: round(v, 1) for k, v in launches.items()})
     data = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": torch.cuda.get_device_name(device),
             "method": "torch.profiler CUDA time per call, mean of 10 calls after 3 warm-up calls",
@@ -360,6 +443,12 @@ def main(argv=None):
     parser.add_argument("--figure", default="docs/kernels.png")
     parser.add_argument("--min-context", type=int, default=0, help="table rows from this context")
     parser.add_argument("--graph-figure", default="docs/kernels_graph.png")
+    parser.add_argument("--variant", default="onehot", help="kernel variant under test")
+    parser.add_argument("--compare", nargs="*", default=["atomic"],
+                        help="variants timed beside it")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the one-hot kernel over split counts and warps")
+    parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--profile", metavar="JSON",
                         help="only time each of the kernel's launches on a few configurations")
     args = parser.parse_args(argv)
@@ -383,6 +472,8 @@ def main(argv=None):
     contexts = args.contexts or ([4096, 32768] if args.quick else
                                  [4096, 16384, 32768, 65536, 131072])
     batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name(device),
@@ -391,13 +482,23 @@ def main(argv=None):
         "codebook_size": CODEBOOK_SIZE,
         "sinks": SINKS,
         "recent": RECENT,
+        "variant": args.variant,
         "copy_bandwidth_bytes_per_s": copy_bandwidth(device),
-        "correctness": check_correctness(device),
-        "results": run_grid(contexts, batches, device, graphs=not args.no_graphs),
+        "results": [],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1))
+
+    def save(results=None):
+        if results is not None:
+            data["results"] = results
+        out.write_text(json.dumps(data, indent=1))
+
+    data["correctness"] = [] if args.skip_correctness else check_correctness(device)
+    save()
+    run_grid(contexts, batches, device, graphs=not args.no_graphs,
+             variant_under_test=args.variant, compare=args.compare, on_row=save)
+    if args.sweep:
+        data["sweep"] = sweep_splits(device)
+        save()
     print_table(data)
     print(f"wrote {out}")
 

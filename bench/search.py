@@ -185,7 +185,8 @@ def latency(text: np.ndarray, sizes, rng, n_queries: int) -> list[dict]:
 
 def _row(size, method, times, hits, build, bytes_per_pos) -> dict:
     return {"positions": size, "method": method,
-            "p50_us": float(np.median(times)) * 1e6, "p99_us": float(np.percentile(times, 99)) * 1e6,
+            "p50_us": float(np.median(times)) * 1e6,
+            "p99_us": float(np.percentile(times, 99)) * 1e6,
             "hits_median": float(np.median(hits)), "hits_max": int(np.max(hits)),
             "build_s": build, "build_s_per_1e6": build / size * 1e6,
             "bytes_per_position": bytes_per_pos}

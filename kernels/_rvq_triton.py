@@ -1,6 +1,8 @@
 """Triton kernels for decode attention on residual-VQ codes (split over the sequence).
 
-Four launches per call, none of which forms a dense key or value of the archived part:
+This module holds the atomic-add kernel and :func:`decode`, which picks it or the one-hot
+kernel of ``kernels/_rvq_onehot.py`` per problem. The atomic kernel is four launches per call,
+none of which forms a dense key or value of the archived part:
 
 1. ``_score_table_kernel``: the table ``q . C_k[stage, c]`` for every query head, key stage and
    key centroid, pre-multiplied by ``scale * log2(e)`` so the softmax can use ``exp2``.
@@ -300,8 +302,46 @@ def choose_num_splits(problem: DecodeProblem) -> int:
     return max(1, min(wanted, math.ceil(capacity / block_positions(group)), 1024))
 
 
-def decode(problem: DecodeProblem, *, num_splits: int | None = None,
-           num_warps: int = 4) -> torch.Tensor:
+VARIANTS = ("onehot", "atomic")
+DEFAULT_VARIANT = "auto"  # choose_variant per problem
+
+
+def choose_variant(problem: DecodeProblem) -> str:
+    """The variant measured faster for this kind of problem (H200, ``docs/kernels.md``).
+
+    The one-hot kernel won at batch 1 with GQA groups (Qwen3-8B shapes: 1.05x to 1.6x the
+    atomic one, two launches instead of four); the atomic kernel stays ahead for MHA and for
+    larger batches, where its per-position cost (one atomic add per head and value stage) is
+    lower than the one-hot kernel's per-position operand building.
+    """
+    group = problem.q_heads // problem.kv_heads
+    return "onehot" if group >= 2 and problem.batch == 1 else "atomic"
+
+
+def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
+           variant: str | None = None) -> torch.Tensor:
+    """Decode attention on a validated problem; returns ``(batch, q_heads, head_dim)``.
+
+    ``variant``: ``"onehot"`` (``kernels/_rvq_onehot.py``: histogram by one-hot products,
+    two launches), ``"atomic"`` (this module: histogram by atomic adds, four launches) or
+    ``"auto"`` (:func:`choose_variant`); ``None`` means ``DEFAULT_VARIANT``. Problems the
+    one-hot kernel cannot hold (value histograms above its register budget) run the atomic one.
+    """
+    variant = DEFAULT_VARIANT if variant is None else variant
+    if variant not in (*VARIANTS, "auto"):
+        raise ValueError(f"variant must be one of {(*VARIANTS, 'auto')}, got {variant!r}")
+    if variant == "auto":
+        variant = choose_variant(problem)
+    if variant == "onehot":
+        from kernels import _rvq_onehot
+
+        if _rvq_onehot.supports(problem, num_splits):
+            return _rvq_onehot.decode(problem, num_splits=num_splits, num_warps=num_warps)
+    return decode_atomic(problem, num_splits=num_splits, num_warps=num_warps)
+
+
+def decode_atomic(problem: DecodeProblem, *, num_splits: int | None = None,
+                  num_warps: int = 4) -> torch.Tensor:
     """Run the four kernels on a validated problem; returns ``(batch, q_heads, head_dim)``."""
     p = problem
     batch, q_heads, head_dim = p.query.shape

@@ -115,3 +115,12 @@ def longest_suffix(haystack, query, k: int):
             scored.append((p, n))
     scored.sort(key=lambda pn: (-pn[1], -pn[0]))
     return scored[:k]
+
+
+def find_bytes(data: bytes, query: bytes) -> list[int]:
+    """Start offsets of every (overlapping) occurrence, by a plain ``bytes.find`` loop."""
+    out, i = [], data.find(query)
+    while i >= 0:
+        out.append(i)
+        i = data.find(query, i + 1)
+    return out

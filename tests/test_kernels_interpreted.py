@@ -21,19 +21,31 @@ from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from kernels_cases import make_case, relative_error  # noqa: E402
 
-from kernels import reference_decode_attention, rvq_decode_attention  # noqa: E402
+from kernels import _rvq_triton, reference_decode_attention, rvq_decode_attention  # noqa: E402
+from kernels._validate import validate_decode_args  # noqa: E402
 
 TOLERANCE = 1e-2
 DTYPES = [torch.float16, torch.bfloat16]
 
 
-def check(case, **kwargs):
-    out = rvq_decode_attention(**case, backend="triton", **kwargs)
-    ref = reference_decode_attention(**case, out_dtype=torch.float32)
-    assert out.dtype == case["query"].dtype and out.shape == ref.shape
+def _assert_close(out, ref, dtype):
+    assert out.dtype == dtype and out.shape == ref.shape
     assert not out.isnan().any()
     err = relative_error(out, ref)
     assert err <= TOLERANCE, f"relative error {err:.2e}"
+
+
+def check(case, **kwargs):
+    """The public function (variant chosen per problem), then the other kernel variants."""
+    out = rvq_decode_attention(**case, backend="triton", **kwargs)
+    ref = reference_decode_attention(**case, out_dtype=torch.float32)
+    _assert_close(out, ref, case["query"].dtype)
+    problem = validate_decode_args(**case)
+    for variant in _rvq_triton.VARIANTS:
+        if variant != _rvq_triton.choose_variant(problem):
+            other = _rvq_triton.decode(problem, variant=variant,
+                                       num_splits=kwargs.get("num_splits"))
+            _assert_close(other, ref, case["query"].dtype)
     return out
 
 
@@ -50,6 +62,13 @@ def test_matches_reference(dtype, q_heads, kv_heads):
 def test_int16_codes_and_unequal_codebooks(dtype):
     case = make_case(dtype=dtype, code_dtype=torch.int16, codebook_size=300, archived=50,
                      key_stages=1, value_stages=3, head_dim=24)
+    check(case, num_splits=2)
+
+
+def test_float32_codebooks():
+    case = make_case(archived=50, q_heads=8, kv_heads=2)
+    case["key_codebooks"] = case["key_codebooks"].float()
+    case["value_codebooks"] = case["value_codebooks"].float()
     check(case, num_splits=2)
 
 
