@@ -8,9 +8,10 @@ stream of integer symbols into 2-D points, one stored point per span of symbols.
 
 from __future__ import annotations
 
+from fkvstore.archive import Archive, Stream, TextStream, open
 from fkvstore.codec import Codec
 from fkvstore.errors import FkvError
 
 __version__ = "0.1.0"
 
-__all__ = ["Codec", "FkvError", "__version__"]
+__all__ = ["Archive", "Codec", "FkvError", "Stream", "TextStream", "__version__", "open"]

@@ -17,6 +17,8 @@ __all__ = [
     "StreamNotFoundError",
     "ArchiveNotFoundError",
     "PositionError",
+    "ArchiveExistsError",
+    "ArchiveReadOnlyError",
 ]
 
 
@@ -57,3 +59,11 @@ class ArchiveNotFoundError(FkvError, FileNotFoundError):
 
 class PositionError(FkvError, IndexError):
     """A position outside a stream."""
+
+
+class ArchiveExistsError(FkvError, FileExistsError):
+    """Creating an archive (mode ``"w-"``/``"x"``) where a file already exists."""
+
+
+class ArchiveReadOnlyError(FkvError, PermissionError):
+    """A change to an archive that was opened read-only (mode ``"r"``)."""

@@ -1,0 +1,507 @@
+"""Benchmark decode attention on RVQ codes against SDPA on the dense fp16 cache.
+
+One query token per sequence, one layer's attention op. For every (model shape, stages,
+context, batch) the script times, in the same process with CUDA events
+(``triton.testing.do_bench``, median):
+
+* ``rvq``: a Triton kernel variant (``--variant``, default the one-hot kernel) on the coded cache
+  (4 exact sinks + archived codes + 32 exact recent), and beside it the variants of
+  ``--compare`` (default the atomic kernel; keys ``atomic_ms`` ...);
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on the dense fp16 K/V with the
+  backend torch picks, and ``sdpa_flash`` with the flash backend forced (``None`` where it refuses);
+* the same three under CUDA-graph replay (``do_bench_cudagraph``), which removes the host's
+  launch overhead and leaves the GPU time.
+
+It also measures the device's copy bandwidth, models the bytes each op must move, checks the
+kernel against the float32 reference on the GPU, and records the extra peak memory of each op.
+
+    python bench/kernels.py                     # full grid, writes bench/results/kernels.json
+    python bench/kernels.py --quick             # a small grid
+    python bench/kernels.py --profile bench/results/kernels_profile.json   # per launch
+    python bench/kernels.py --plot bench/results/kernels.json   # table + docs/kernels*.png
+    python bench/kernels.py --sweep ...          # also split counts / warps / pipelining
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {
+    "gpt2": {"q_heads": 12, "kv_heads": 12, "head_dim": 64},
+    "qwen3-8b": {"q_heads": 32, "kv_heads": 8, "head_dim": 128},
+}
+STAGES = [(2, 2), (4, 2)]  # (key stages, value stages)
+CODEBOOK_SIZE = 256
+SINKS, RECENT = 4, 32
+
+
+def make_coded_case(shape, stages, context, batch, device, dtype, seed=0, lengths=None):
+    """Random coded cache: sinks + archived codes + recent, with the given total context."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
+    key_stages, value_stages = stages
+    archived = context - SINKS - RECENT
+
+    def randn(*size, std=1.0):
+        return (torch.randn(*size, generator=g, device=device) * std).to(dtype)
+
+    def codes(n_stages):
+        return torch.randint(0, CODEBOOK_SIZE, (batch, hkv, archived, n_stages), generator=g,
+                             device=device, dtype=torch.int32).to(torch.uint8)
+
+    case = {
+        "query": randn(batch, hq, d),
+        "key_codes": codes(key_stages),
+        "value_codes": codes(value_stages),
+        # residual stages shrink, as trained RVQ codebooks do
+        "key_codebooks": torch.cat([randn(hkv, 1, CODEBOOK_SIZE, d, std=0.5 ** s)
+                                    for s in range(key_stages)], dim=1),
+        "value_codebooks": torch.cat([randn(hkv, 1, CODEBOOK_SIZE, d, std=0.5 ** s)
+                                      for s in range(value_stages)], dim=1),
+        "sink_keys": randn(batch, hkv, SINKS, d),
+        "sink_values": randn(batch, hkv, SINKS, d),
+        "recent_keys": randn(batch, hkv, RECENT, d),
+        "recent_values": randn(batch, hkv, RECENT, d),
+    }
+    if lengths is not None:
+        case["archived_lengths"] = torch.tensor(lengths, device=device)
+    return case
+
+
+def coded_bytes(shape, stages, context, batch):
+    """Bytes the kernel must read or write per call (codes, exact tokens, codebooks, scratch)."""
+    hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
+    ks, vs = stages
+    archived = context - SINKS - RECENT
+    codes = batch * hkv * archived * (ks + vs)
+    exact = batch * hkv * (SINKS + RECENT) * d * 2 * 2
+    books = hkv * (ks + vs) * CODEBOOK_SIZE * d * 2
+    table = batch * hq * ks * CODEBOOK_SIZE * 4 * 2  # written once, read back (L2 mostly)
+    return codes + exact + books + table + batch * hq * d * 2 * 2
+
+
+def dense_bytes(shape, context, batch):
+    hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
+    return batch * hkv * context * d * 2 * 2 + batch * hq * d * 2 * 2
+
+
+def copy_bandwidth(device):
+    """Device-to-device copy of 4 GiB: bytes read plus bytes written per second."""
+    import torch
+    import triton.testing
+
+    n = 1 << 31
+    src = torch.empty(n, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=200,
+                                 return_mode="median")
+    src = dst = None
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / (ms * 1e-3)
+
+
+def extra_peak_bytes(fn):
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def time_ms(fn, graph: bool):
+    import triton.testing
+
+    try:
+        if graph:
+            return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
+        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    except Exception as exc:  # a backend that refuses these shapes
+        print(f"  timing failed: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+        return None
+
+
+def sdpa_callable(q, k, v, flash: bool):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gqa = q.shape[1] != k.shape[1]
+
+    def run():
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+
+    if not flash:
+        return run
+
+    def run_flash():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return run()
+
+    return run_flash
+
+
+def check_correctness(device):
+    """Relative error of each kernel variant against the float32 reference, per shape, stages,
+    dtype (batch 4, 8K context, ragged lengths)."""
+    import torch
+
+    from kernels import _rvq_triton
+    from kernels._validate import validate_decode_args
+    from kernels.reference import reference_decode_attention
+
+    rows = []
+    for name, shape in SHAPES.items():
+        for stages in STAGES:
+            for dtype in (torch.float16, torch.bfloat16):
+                context, batch = 8192, 4
+                lengths = [context - SINKS - RECENT, 5000, 1, 0]
+                case = make_coded_case(shape, stages, context, batch, device, dtype, seed=1,
+                                       lengths=lengths)
+                case["recent_lengths"] = torch.tensor([RECENT, 3, 0, RECENT], device=device)
+                ref = reference_decode_attention(**case, out_dtype=torch.float32)
+                problem = validate_decode_args(**case)
+                for variant in _rvq_triton.VARIANTS:
+                    try:
+                        out = _rvq_triton.decode(problem, variant=variant)
+                    except Exception as exc:  # report, keep measuring the other variant
+                        print(f"correctness {variant} failed: {exc!r}"[:2000], file=sys.stderr)
+                        rows.append({"shape": name, "variant": variant, "error": repr(exc)[:500]})
+                        continue
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    rows.append({"shape": name, "key_stages": stages[0],
+                                 "value_stages": stages[1], "variant": variant,
+                                 "dtype": str(dtype).replace("torch.", ""), "rel_error": err,
+                                 "nan": bool(out.isnan().any())})
+                    print(f"correctness {variant} {name} {stages} {dtype}: rel error {err:.2e}")
+    return rows
+
+
+def run_grid(contexts, batches, device, graphs: bool, variant_under_test: str = "onehot",
+             compare=("atomic",), on_row=None):
+    """Rows of timings; ``compare``: further kernel variants timed beside the one under test
+    (keys ``<variant>_ms``...); ``on_row(results)`` after each row (partial saves)."""
+    import torch
+    from tqdm import tqdm
+
+    from kernels._validate import validate_decode_args
+
+    results = []
+    grid = [(n, c, b) for n in SHAPES for c in contexts for b in batches]
+    for name, context, batch in tqdm(grid, desc="configs"):
+        shape = SHAPES[name]
+        hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
+        dense_gb = 2 * batch * hkv * context * d * 2 / 1e9
+        if dense_gb > 40:
+            continue
+        row_base = {"shape": name, "context": context, "batch": batch}
+        q = torch.randn(batch, hq, 1, d, device=device, dtype=torch.float16)
+        k = torch.randn(batch, hkv, context, d, device=device, dtype=torch.float16)
+        v = torch.randn_like(k)
+        dense = {}
+        for label, flash in (("sdpa", False), ("sdpa_flash", True)):
+            fn = sdpa_callable(q, k, v, flash)
+            try:
+                fn()
+            except Exception as exc:
+                print(f"  {label} refused {name} ctx={context} b={batch}: {exc}"[:300],
+                      file=sys.stderr)
+                dense[label] = {"ms": None, "graph_ms": None, "extra_peak_bytes": None}
+                continue
+            dense[label] = {"ms": time_ms(fn, False),
+                            "graph_ms": time_ms(fn, True) if graphs else None,
+                            "extra_peak_bytes": extra_peak_bytes(fn)}
+        del k, v
+        torch.cuda.empty_cache()
+        for stages in STAGES:
+            case = make_coded_case(shape, stages, context, batch, device, torch.float16)
+            problem = validate_decode_args(**case, check_codes=False)
+            row = dict(row_base, key_stages=stages[0], value_stages=stages[1],
+                       rvq_bytes=coded_bytes(shape, stages, context, batch),
+                       dense_bytes=dense_bytes(shape, context, batch),
+                       coded_cache_bytes=sum(t.numel() * t.element_size()
+                                             for t in case.values()),
+                       dense_cache_bytes=2 * batch * hkv * context * d * 2)
+            # "rvq": the variant under test; "atomic": the histogram-by-atomics baseline
+            for prefix, variant in (("rvq", variant_under_test),
+                                    *((v, v) for v in compare if v != variant_under_test)):
+                row[f"{prefix}_variant"] = variant
+                row.update(time_variant(problem, variant, prefix, graphs))
+            for label, rec in dense.items():
+                row[f"{label}_ms"] = rec["ms"]
+                row[f"{label}_graph_ms"] = rec["graph_ms"]
+                row[f"{label}_extra_peak_bytes"] = rec["extra_peak_bytes"]
+            results.append(row)
+            if on_row is not None:
+                on_row(results)
+            del case, problem
+            torch.cuda.empty_cache()
+    return results
+
+
+def time_variant(problem, variant, prefix, graphs):
+    """Timings and extra peak memory of one kernel variant (``None`` where it fails)."""
+    from kernels import _rvq_triton
+
+    def rvq():
+        return _rvq_triton.decode(problem, variant=variant)
+
+    try:
+        rvq()
+    except Exception as exc:  # report, keep measuring the rest
+        print(f"  {variant} failed: {exc!r}"[:2000], file=sys.stderr)
+        return {f"{prefix}_ms": None, f"{prefix}_graph_ms": None,
+                f"{prefix}_error": repr(exc)[:500]}
+    return {f"{prefix}_ms": time_ms(rvq, False),
+            f"{prefix}_graph_ms": time_ms(rvq, True) if graphs else None,
+            f"{prefix}_extra_peak_bytes": extra_peak_bytes(rvq)}
+
+
+SWEPT = [("qwen3-8b", (2, 2), 32768, 1), ("qwen3-8b", (4, 2), 65536, 8),
+         ("qwen3-8b", (2, 2), 131072, 32), ("gpt2", (2, 2), 32768, 1),
+         ("gpt2", (4, 2), 131072, 8)]
+# (warps, pipelining stages, positions per step as a multiple of the default)
+TUNINGS = [(4, None, 1), (8, None, 1), (4, 1, 1), (8, None, 2)]
+
+
+def sweep_splits(device, waves=(2, 4, 8, 16)):
+    """CUDA-graph time of the one-hot kernel over split counts and tunings on a few configs."""
+    import torch
+
+    from kernels import _rvq_onehot
+    from kernels._validate import validate_decode_args
+
+    rows = []
+    for name, stages, context, batch in SWEPT:
+        case = make_coded_case(SHAPES[name], stages, context, batch, device, torch.float16)
+        problem = validate_decode_args(**case, check_codes=False)
+        base_n = _rvq_onehot.plan_for(problem).block_n
+        for wave in waves:
+            splits = _rvq_onehot.choose_num_splits(problem, waves=wave)
+            for nw, ns, n_mult in TUNINGS:
+                def fn(splits=splits, nw=nw, ns=ns, bn=base_n * n_mult, problem=problem):
+                    return _rvq_onehot.decode(problem, num_splits=splits, num_warps=nw,
+                                              num_stages=ns, block_n=bn)
+
+                try:
+                    fn()
+                    ms = time_ms(fn, True)
+                except Exception as exc:
+                    print(f"  sweep failed: {exc!r}"[:1000], file=sys.stderr)
+                    ms = None
+                rows.append({"shape": name, "key_stages": stages[0], "value_stages": stages[1],
+                             "context": context, "batch": batch, "waves": wave,
+                             "num_splits": splits, "num_warps": nw, "num_stages": ns,
+                             "block_n": base_n * n_mult, "graph_ms": ms})
+                print(f"sweep {name} {stages} ctx={context} b={batch} waves={wave} "
+                      f"splits={splits} warps={nw} stages={ns} block_n={base_n * n_mult}: "
+                      f"{fmt(ms)} ms", flush=True)
+        del case, problem
+        torch.cuda.empty_cache()
+    return rows
+
+
+def speedup(row, base="sdpa", graph=False):
+    suffix = "_graph_ms" if graph else "_ms"
+    ours, theirs = row[f"rvq{suffix}"], row[f"{base}{suffix}"]
+    if not ours or not theirs:
+        return None
+    return theirs / ours
+
+
+def print_table(data, min_context=0):
+    """A markdown table of the results (speed-ups are SDPA time / kernel time)."""
+    bw = data["copy_bandwidth_bytes_per_s"]
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)\n")
+    head = ("shape", "K+V stages", "context", "batch", "RVQ ms", "SDPA ms", "flash ms",
+            "x SDPA", "x flash", "RVQ graph ms", "SDPA graph ms", "x SDPA graph",
+            "atomic graph ms", "x atomic graph", "B/token RVQ", "B/token dense",
+            "RVQ roofline ms")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in data["results"]:
+        if r["context"] < min_context:
+            continue
+        tokens = r["context"] * r["batch"]
+        atomic = r.get("atomic_graph_ms")
+        cells = [r["shape"], f"{r['key_stages']}+{r['value_stages']}", r["context"], r["batch"],
+                 fmt(r["rvq_ms"]), fmt(r["sdpa_ms"]), fmt(r["sdpa_flash_ms"]),
+                 fmt(speedup(r), 2), fmt(speedup(r, "sdpa_flash"), 2),
+                 fmt(r["rvq_graph_ms"]), fmt(r["sdpa_graph_ms"]),
+                 fmt(speedup(r, graph=True), 2), fmt(atomic),
+                 fmt(atomic / r["rvq_graph_ms"] if atomic and r["rvq_graph_ms"] else None, 2),
+                 fmt(r["rvq_bytes"] / tokens, 1), fmt(r["dense_bytes"] / tokens, 0),
+                 fmt(r["rvq_bytes"] / bw * 1e3, 4)]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+def fmt(x, digits=3):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def plot(data, figure, graph=False):
+    """Throughput against context, one panel per (shape, batch); ``graph``: CUDA-graph timings."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    suffix = "_graph_ms" if graph else "_ms"
+    batches = sorted({r["batch"] for r in data["results"]})
+    fig, axes = plt.subplots(len(SHAPES), len(batches), figsize=(4 * len(batches), 7),
+                             squeeze=False, sharex=True)
+    for i, name in enumerate(SHAPES):
+        for j, batch in enumerate(batches):
+            ax = axes[i][j]
+            rows = [r for r in data["results"] if r["shape"] == name and r["batch"] == batch]
+            for stages in STAGES:
+                sel = [r for r in rows if (r["key_stages"], r["value_stages"]) == stages]
+                for prefix, style, what in (("rvq", "o-", "one-hot"), ("atomic", "x:", "atomic")):
+                    pts = [(r["context"], batch / (r[f"{prefix}{suffix}"] * 1e-3)) for r in sel
+                           if r.get(f"{prefix}{suffix}")]
+                    if pts:
+                        ax.plot([x for x, _ in pts], [y for _, y in pts], style,
+                                label=f"RVQ {what} {stages[0]}+{stages[1]}")
+            sel = [r for r in rows if (r["key_stages"], r["value_stages"]) == STAGES[0]]
+            for key, label in ((f"sdpa{suffix}", "SDPA dense fp16"),
+                               (f"sdpa_flash{suffix}", "SDPA flash dense fp16")):
+                pts = [(r["context"], batch / (r[key] * 1e-3)) for r in sel if r[key]]
+                if pts:
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], "s--", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{name}, batch {batch}")
+            ax.grid(True, which="both", alpha=0.3)
+            if i == len(SHAPES) - 1:
+                ax.set_xlabel("context (tokens)")
+            if j == 0:
+                ax.set_ylabel("sequences / s (one layer)")
+    axes[0][0].legend(fontsize=7)
+    timing = "CUDA-graph replay" if graph else "do_bench, launches from Python"
+    fig.suptitle(f"Decode attention ({timing}), {data['device']}, {data['date']}")
+    fig.tight_layout()
+    fig.savefig(figure, dpi=110)
+    print(f"wrote {figure}")
+
+
+PROFILED = [("gpt2", (2, 2), 32768, 8), ("qwen3-8b", (2, 2), 32768, 8),
+            ("qwen3-8b", (4, 2), 32768, 1), ("qwen3-8b", (2, 2), 131072, 32)]
+
+
+def profile_launches(out_path):
+    """GPU time of each launch of the kernel (torch.profiler, mean of 10 calls)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kernels import _rvq_triton
+    from kernels._validate import validate_decode_args
+
+    device = torch.device("cuda")
+    rows = []
+    for name, stages, context, batch in PROFILED:
+        case = make_coded_case(SHAPES[name], stages, context, batch, device, torch.float16)
+        problem = validate_decode_args(**case, check_codes=False)
+        for variant in _rvq_triton.VARIANTS:
+            for _ in range(3):
+                _rvq_triton.decode(problem, variant=variant)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    _rvq_triton.decode(problem, variant=variant)
+                torch.cuda.synchronize()
+            launches = {e.key: e.device_time_total / e.count for e in prof.key_averages()
+                        if e.key.endswith("_kernel") and e.count}
+            rows.append({"shape": name, "context": context, "batch": batch,
+                         "key_stages": stages[0], "value_stages": stages[1],
+                         "variant": variant, "kernels_us": launches})
+            print(variant, name, stages, context, batch,
+                  {k: round(v, 1) for k, v in launches.items()})
+    data = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": torch.cuda.get_device_name(device),
+            "method": "torch.profiler CUDA time per call, mean of 10 calls after 3 warm-up calls",
+            "results": rows}
+    Path(out_path).write_text(json.dumps(data, indent=1))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="bench/results/kernels.json")
+    parser.add_argument("--quick", action="store_true", help="a small grid")
+    parser.add_argument("--contexts", type=int, nargs="*")
+    parser.add_argument("--batches", type=int, nargs="*")
+    parser.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph timings")
+    parser.add_argument("--plot", metavar="JSON", help="only draw the figure from a results file")
+    parser.add_argument("--figure", default="docs/kernels.png")
+    parser.add_argument("--min-context", type=int, default=0, help="table rows from this context")
+    parser.add_argument("--graph-figure", default="docs/kernels_graph.png")
+    parser.add_argument("--variant", default="onehot", help="kernel variant under test")
+    parser.add_argument("--compare", nargs="*", default=["atomic"],
+                        help="variants timed beside it")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the one-hot kernel over split counts and warps")
+    parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--profile", metavar="JSON",
+                        help="only time each of the kernel's launches on a few configurations")
+    args = parser.parse_args(argv)
+
+    if args.plot:
+        data = json.loads(Path(args.plot).read_text())
+        print_table(data, args.min_context)
+        plot(data, args.figure)
+        plot(data, args.graph_figure, graph=True)
+        return
+    if args.profile:
+        profile_launches(args.profile)
+        return
+
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/kernels.py needs a CUDA GPU")
+    device = torch.device("cuda")
+    contexts = args.contexts or ([4096, 32768] if args.quick else
+                                 [4096, 16384, 32768, 65536, 131072])
+    batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "codebook_size": CODEBOOK_SIZE,
+        "sinks": SINKS,
+        "recent": RECENT,
+        "variant": args.variant,
+        "copy_bandwidth_bytes_per_s": copy_bandwidth(device),
+        "results": [],
+    }
+
+    def save(results=None):
+        if results is not None:
+            data["results"] = results
+        out.write_text(json.dumps(data, indent=1))
+
+    data["correctness"] = [] if args.skip_correctness else check_correctness(device)
+    save()
+    run_grid(contexts, batches, device, graphs=not args.no_graphs,
+             variant_under_test=args.variant, compare=args.compare, on_row=save)
+    if args.sweep:
+        data["sweep"] = sweep_splits(device)
+        save()
+    print_table(data)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""The ``fkv`` command: ``demo``, ``info``, ``verify``, ``get`` and ``append``.
+
+See ``docs/cli.md``. Exit status 0 on success, 1 when ``verify`` finds damage, 2 on bad usage
+or an error opening or reading the archive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+import fkvstore
+from fkvstore.errors import FkvError
+
+__all__ = ["main"]
+
+
+def progress_bar(total: int, desc: str, enabled: bool = True, unit: str = "chunk"):
+    """A tqdm bar on stderr, or a do-nothing stand-in when tqdm is missing or disabled."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is None or not enabled:
+        return _NoBar()
+    return tqdm(
+        total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False, file=sys.stderr
+    )
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _parse_range(text: str, length: int) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition(":")
+        if not _:
+            start = int(lo) + (length if int(lo) < 0 else 0)
+            return start, max(start, min(length, start + 1))
+        start = int(lo) if lo else 0
+        stop = int(hi) if hi else length
+    except ValueError:
+        raise SystemExit(f"fkv: bad range {text!r}; use START:STOP (either may be empty)") from None
+    return slice(start, stop).indices(length)[:2]
+
+
+def cmd_info(args) -> int:
+    with fkvstore.open(args.file) as ar:
+        print(
+            f"{args.file}: fkvstore archive, {len(ar)} stream(s), {len(ar.array_names())} array(s)"
+        )
+        for key, value in ar.attrs.items():
+            print(f"  attr {key} = {value!r}")
+        for name in ar:
+            s = ar[name]
+            c = s.codec
+            print(
+                f"  stream {name!r}: {s.kind}, {len(s)} rows x width {s.width}, "
+                f"alphabet {c.alphabet_size}, {c.geometry}, ratio {c.ratio:.6g}, span {c.span}, "
+                f"{c.bits_per_symbol:.2f} bits/symbol in full spans"
+            )
+            for key, value in s.attrs.items():
+                print(f"    attr {key} = {value!r}")
+        for name in ar.array_names():
+            arr = ar._h5()["arrays"][name]
+            print(f"  array {name!r}: {arr.dtype} {arr.shape}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    with fkvstore.open(args.file) as ar:
+        total = sum(-(-ar[n]._commit.full_spans // ar[n].block_spans) + 1 for n in ar)
+        with progress_bar(total, "verify", not args.quiet) as bar:
+            report = ar.verify(bar.update)
+    bad = {name: probs for name, probs in report.items() if probs}
+    for name, probs in report.items():
+        print(f"{name}: {'DAMAGED' if probs else 'ok'}")
+        for p in probs:
+            print(f"  {p}")
+    return 1 if bad else 0
+
+
+def cmd_get(args) -> int:
+    with fkvstore.open(args.file) as ar:
+        s = ar[args.stream]
+        start, stop = _parse_range(args.range, len(s))
+        if s.kind == "text":
+            sys.stdout.buffer.write(s.bytes(start, stop))
+            sys.stdout.buffer.flush()
+            return 0
+        step = 1 << 16
+        for a in range(start, stop, step):
+            rows = s[a : min(stop, a + step)]
+            np.savetxt(sys.stdout, rows, fmt="%d")
+    return 0
+
+
+def cmd_append(args) -> int:
+    with fkvstore.open(args.file, "a") as ar:
+        if args.stream not in ar:
+            if args.text:
+                ar.create_text_stream(args.stream)
+            elif args.alphabet_size:
+                ar.create_stream(
+                    args.stream, args.alphabet_size, width=args.width, geometry=args.geometry
+                )
+            else:
+                raise SystemExit(
+                    f"fkv: no stream {args.stream!r} in {args.file}; pass --text or "
+                    "--alphabet-size N to create it"
+                )
+        s = ar[args.stream]
+        before = len(s)
+        if s.kind == "text":
+            s.extend(sys.stdin.buffer.read())
+        else:
+            # parse everything first: a bad line leaves the stream unchanged
+            rows = []
+            for line_no, line in enumerate(sys.stdin, 1):
+                fields = line.split()
+                if not fields:
+                    continue
+                try:
+                    rows.append([int(v) for v in fields])
+                except ValueError:
+                    raise SystemExit(
+                        f"fkv: line {line_no}: not integers: {line.strip()!r}"
+                    ) from None
+                if len(rows[-1]) != s.width:
+                    raise SystemExit(
+                        f"fkv: line {line_no}: {len(rows[-1])} value(s), stream {s.name!r} "
+                        f"has width {s.width}"
+                    )
+            try:
+                s.extend(np.array(rows, dtype=np.int64).reshape(-1, s.width))
+            except (ValueError, TypeError) as exc:
+                raise SystemExit(f"fkv: nothing appended: {exc}") from None
+        print(
+            f"appended {len(s) - before} row(s) to {args.stream!r}; now {len(s)}", file=sys.stderr
+        )
+    return 0
+
+
+def cmd_search(args) -> int:
+    with fkvstore.open(args.file) as ar:
+        s = ar[args.stream]
+        if s.kind == "text":
+            query = args.query.encode("utf-8")
+        else:
+            try:
+                query = [int(v) for v in args.query.replace(",", " ").split()]
+            except ValueError:
+                raise SystemExit(
+                    f"fkv search: the query of a symbol stream is integers separated by spaces "
+                    f"or commas, got {args.query!r}"
+                ) from None
+        hits = s.search(query, column=args.column)
+        print(f"{len(hits)} hit(s) of {args.query!r} in {args.stream!r} ({len(s):,} rows)",
+              file=sys.stderr)
+        for p in hits[: args.limit].tolist():
+            start = p - len(query) + 1
+            if s.kind == "text":
+                before = s.bytes(max(0, start - args.context), start)
+                after = s.bytes(p + 1, min(len(s), p + 1 + args.context))
+                line = (before.decode("utf-8", "replace") + "[" + args.query + "]"
+                        + after.decode("utf-8", "replace"))
+                print(f"{start}:{p + 1}\t{line.replace(chr(10), ' ')}")
+            else:
+                ctx = s.context(p, len(query) - 1 + args.context, args.context,
+                                column=args.column)
+                print(f"{start}:{p + 1}\t{' '.join(str(v) for v in ctx.tolist())}")
+        if len(hits) > args.limit:
+            print(f"... {len(hits) - args.limit} more (--limit)", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from fkvstore import demo
+
+    return demo.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fkv", description="fkvstore archives on the command line")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="archive a book, compare sizes, read, append, reopen")
+    d.add_argument(
+        "--out", default="time_machine.h5", help="archive to write (default: %(default)s)"
+    )
+    d.add_argument("--text", default=None, help="UTF-8 text file (default: the bundled book)")
+    d.add_argument("--quiet", action="store_true", help="no progress bars")
+    i = sub.add_parser("info", help="streams, lengths, codec parameters, arrays")
+    i.add_argument("file")
+    v = sub.add_parser("verify", help="check every checksum and span; exit status 1 on damage")
+    v.add_argument("file")
+    v.add_argument("--quiet", action="store_true", help="no progress bar")
+    g = sub.add_parser("get", help="print rows START:STOP (raw bytes for a text stream)")
+    g.add_argument("file")
+    g.add_argument("stream")
+    g.add_argument(
+        "range",
+        help="START:STOP, START: or :STOP; negative values count from the end (put -- before "
+        "a range that starts with '-')",
+    )
+    a = sub.add_parser("append", help="append rows from standard input (same formats as get)")
+    a.add_argument("file")
+    a.add_argument("stream")
+    a.add_argument("--text", action="store_true", help="create a text stream if missing")
+    a.add_argument("--alphabet-size", type=int, help="create a symbol stream if missing")
+    a.add_argument("--width", type=int, default=1, help="with --alphabet-size (default 1)")
+    a.add_argument("--geometry", choices=["grid", "ring"], default="grid")
+    f = sub.add_parser("search", help="exact substring search, hits printed with context")
+    f.add_argument("file")
+    f.add_argument("stream")
+    f.add_argument("query", help="text (text stream) or integers separated by spaces/commas")
+    f.add_argument("--column", type=int, default=0, help="column of a wide stream (default 0)")
+    f.add_argument("--context", type=int, default=30, help="rows shown on each side")
+    f.add_argument("--limit", type=int, default=20, help="hits printed at most")
+    return p
+
+
+COMMANDS = {
+    "demo": cmd_demo,
+    "info": cmd_info,
+    "verify": cmd_verify,
+    "get": cmd_get,
+    "append": cmd_append,
+    "search": cmd_search,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except FkvError as exc:
+        print(f"fkv {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

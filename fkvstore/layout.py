@@ -1,0 +1,259 @@
+"""How an archive lies in its HDF5 file: names, attributes, datasets and the commit record.
+
+Everything here speaks h5py and numpy only; :mod:`fkvstore.archive` builds the user-facing
+objects on top. ``docs/format.md`` describes the same layout for readers without fkvstore.
+
+File ::
+
+    /                       attrs fkv_format="fkvstore", fkv_format_version=1, fkv_library_version
+    /streams/<name>/        one group per stream; attrs describe the codec (see STREAM_ATTRS)
+        points              float64 (full_spans, width, 2): one walk point per complete span
+        tail                float64 (2, width, 2): two slots for the point of the open last span
+        block_crc           uint32 (blocks,): CRC-32 of every complete block of points
+        aux/<key>           optional per-stream arrays (derived data such as a search index)
+    /arrays/<name>          auxiliary arrays; attr fkv_crc32
+    points.attrs["fkv_commit"]  the commit record (COMMIT_FIELDS), written last
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import astuple, dataclass
+
+import h5py
+import numpy as np
+
+from fkvstore.errors import ArchiveFormatError
+
+__all__ = [
+    "ARRAYS",
+    "AUX",
+    "COMMIT_ATTR",
+    "COMMIT_FIELDS",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "RESERVED_PREFIX",
+    "STREAMS",
+    "Commit",
+    "StreamInfo",
+    "block_spans_for",
+    "checksum",
+    "create_stream_group",
+    "read_block",
+    "read_commit",
+    "read_stream_info",
+    "read_tail",
+    "write_block",
+    "write_commit",
+    "write_tail",
+]
+
+FORMAT_NAME = "fkvstore"
+FORMAT_VERSION = 1
+RESERVED_PREFIX = "fkv_"
+STREAMS = "streams"
+ARRAYS = "arrays"
+AUX = "aux"
+POINTS = "points"
+TAIL = "tail"
+BLOCK_CRC = "block_crc"
+COMMIT_ATTR = "fkv_commit"
+COMMIT_FIELDS = (
+    "length",  # committed rows
+    "full_spans",  # complete spans stored in `points` (= length // span)
+    "tail_slot",  # which row of `tail` holds the open span's point
+    "tail_count",  # symbols per column in the open span (= length % span; 0: no open span)
+    "partial_crc",  # CRC-32 of the rows of the last, incomplete block of `points`
+    "tail_crc",  # CRC-32 of the active tail slot (0 when tail_count == 0)
+    "generation",  # +1 per commit
+    "rewinds",  # +1 per truncate below the committed length
+)
+POINT_DTYPE = np.dtype("<f8")
+CRC_DTYPE = np.dtype("<u4")
+DEFAULT_CHUNK_BYTES = 1 << 15  # 32 KiB: one chunk read + CRC is a cold random read
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The commit record of one stream; see COMMIT_FIELDS."""
+
+    length: int = 0
+    full_spans: int = 0
+    tail_slot: int = 0
+    tail_count: int = 0
+    partial_crc: int = 0
+    tail_crc: int = 0
+    generation: int = 0
+    rewinds: int = 0
+
+    def to_array(self) -> np.ndarray:
+        return np.array(astuple(self), dtype="<u8")
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """The fixed description of a stream, from its group's attributes."""
+
+    kind: str  # "symbols" or "text"
+    codec_config: dict
+    width: int
+    block_spans: int
+
+
+def checksum(rows: np.ndarray, value: int = 0) -> int:
+    """CRC-32 (zlib) of the little-endian float64 bytes of ``rows``, continuing from ``value``."""
+    return zlib.crc32(np.ascontiguousarray(rows, dtype=POINT_DTYPE), value)
+
+
+def block_spans_for(width: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Spans per chunk: the largest power of two whose chunk of (spans, width, 2) float64 fits."""
+    n = max(1, chunk_bytes // (16 * width))
+    return 1 << (n.bit_length() - 1)
+
+
+def create_stream_group(
+    streams: h5py.Group, name: str, *, kind: str, codec_config: dict, width: int, block_spans: int
+) -> h5py.Group:
+    """Create the group, datasets and attributes of an empty stream."""
+    g = streams.create_group(name)
+    g.attrs["fkv_kind"] = kind
+    g.attrs["fkv_codec"] = json.dumps(codec_config, sort_keys=True)
+    # the main codec parameters again as plain attributes, for h5dump/h5ls readers
+    g.attrs["fkv_alphabet_size"] = int(codec_config["alphabet_size"])
+    g.attrs["fkv_geometry"] = str(codec_config["geometry"])
+    g.attrs["fkv_ratio"] = float(codec_config["ratio"])
+    g.attrs["fkv_span"] = int(codec_config["span"])
+    g.attrs["fkv_width"] = int(width)
+    g.attrs["fkv_block_spans"] = int(block_spans)
+    pts = g.create_dataset(
+        POINTS,
+        shape=(0, width, 2),
+        maxshape=(None, width, 2),
+        chunks=(block_spans, width, 2),
+        dtype=POINT_DTYPE,
+    )
+    pts.attrs.create(COMMIT_ATTR, Commit().to_array())
+    g.create_dataset(TAIL, shape=(2, width, 2), chunks=(1, width, 2), dtype=POINT_DTYPE)
+    g.create_dataset(BLOCK_CRC, shape=(0,), maxshape=(None,), chunks=(1024,), dtype=CRC_DTYPE)
+    return g
+
+
+def read_stream_info(g: h5py.Group) -> StreamInfo:
+    """The description of the stream in group ``g``; ArchiveFormatError when it is incomplete."""
+    try:
+        info = StreamInfo(
+            kind=str(g.attrs["fkv_kind"]),
+            codec_config=json.loads(g.attrs["fkv_codec"]),
+            width=int(g.attrs["fkv_width"]),
+            block_spans=int(g.attrs["fkv_block_spans"]),
+        )
+        for ds in (POINTS, TAIL, BLOCK_CRC):
+            g[ds]
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ArchiveFormatError(
+            f"stream group {g.name!r} is incomplete or damaged ({exc}); the archive was not "
+            "written by a compatible fkvstore"
+        ) from exc
+    return info
+
+
+def read_commit(points: h5py.Dataset) -> Commit:
+    raw = np.asarray(points.attrs[COMMIT_ATTR], dtype=np.uint64)
+    if raw.shape != (len(COMMIT_FIELDS),):
+        raise ArchiveFormatError(
+            f"{points.name}: commit record has shape {raw.shape}, expected ({len(COMMIT_FIELDS)},)"
+        )
+    return Commit(*(int(v) for v in raw))
+
+
+def write_commit(points: h5py.Dataset, commit: Commit) -> None:
+    # same shape and type as at creation, so HDF5 rewrites the value in place
+    points.attrs.modify(COMMIT_ATTR, commit.to_array())
+
+
+def read_block(points: h5py.Dataset, block: int, block_spans: int, rows: int) -> np.ndarray:
+    """Rows ``[0, rows)`` of chunk ``block`` of ``points``, unverified, shape (rows, width, 2)."""
+    width = points.shape[1]
+    _, raw = points.id.read_direct_chunk((block * block_spans, 0, 0))
+    arr = np.frombuffer(raw, dtype=POINT_DTYPE).reshape(block_spans, width, 2)
+    return arr[:rows]
+
+
+def write_block(points: h5py.Dataset, block: int, block_spans: int, rows: np.ndarray) -> None:
+    """Write chunk ``block`` whole: ``rows`` (n <= block_spans, width, 2), zero-padded."""
+    width = points.shape[1]
+    out = np.zeros((block_spans, width, 2), dtype=POINT_DTYPE)
+    out[: len(rows)] = rows
+    # unfiltered fixed-size chunks keep their file address, so a rewrite is in place and leaves
+    # the bytes of committed rows as they were even if the writer dies mid-write
+    points.id.write_direct_chunk((block * block_spans, 0, 0), out.tobytes())
+
+
+def read_tail(tail: h5py.Dataset, slot: int) -> np.ndarray:
+    width = tail.shape[1]
+    _, raw = tail.id.read_direct_chunk((slot, 0, 0))
+    return np.frombuffer(raw, dtype=POINT_DTYPE).reshape(width, 2)
+
+
+def write_tail(tail: h5py.Dataset, slot: int, point: np.ndarray) -> None:
+    tail.id.write_direct_chunk((slot, 0, 0), np.ascontiguousarray(point, POINT_DTYPE).tobytes())
+
+
+def check_format(f: h5py.File, path: str | os.PathLike) -> None:
+    """Raise ArchiveFormatError unless ``f`` is an fkvstore archive this version can read."""
+    name = f.attrs.get("fkv_format")
+    if isinstance(name, bytes):
+        name = name.decode("utf-8", "replace")
+    if name != FORMAT_NAME:
+        raise ArchiveFormatError(
+            f"{os.fspath(path)!r} is an HDF5 file but not an fkvstore archive (no "
+            "fkv_format='fkvstore' attribute on '/'); open it with h5py instead"
+        )
+    version = int(f.attrs.get("fkv_format_version", -1))
+    if version > FORMAT_VERSION:
+        raise ArchiveFormatError(
+            f"{os.fspath(path)!r} uses archive format version {version}; this fkvstore reads "
+            f"versions up to {FORMAT_VERSION}: upgrade fkvstore"
+        )
+    if version < 1 or STREAMS not in f or ARRAYS not in f:
+        raise ArchiveFormatError(f"{os.fspath(path)!r}: archive layout incomplete or damaged")
+
+
+def init_file(f: h5py.File, library_version: str) -> None:
+    f.attrs["fkv_format"] = FORMAT_NAME
+    f.attrs["fkv_format_version"] = FORMAT_VERSION
+    f.attrs["fkv_library_version"] = library_version
+    f.create_group(STREAMS)
+    f.create_group(ARRAYS)
+
+
+def _le_bytes(arr: np.ndarray) -> bytes:
+    return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
+
+
+def put_checked_array(group: h5py.Group, name: str, arr: np.ndarray) -> h5py.Dataset:
+    """Store ``arr`` as dataset ``name`` of ``group`` (replacing one of that name) + CRC-32."""
+    if name in group:
+        del group[name]
+    ds = group.create_dataset(name, data=arr)
+    ds.attrs["fkv_crc32"] = np.uint32(zlib.crc32(_le_bytes(arr)))
+    return ds
+
+
+def get_checked_array(ds: h5py.Dataset) -> np.ndarray:
+    """The array stored by :func:`put_checked_array`; ChecksumError when its bytes changed."""
+    from fkvstore.errors import ChecksumError
+
+    try:
+        arr = ds[()]
+    except OSError as exc:  # HDF5 reports damaged metadata or data this way
+        raise ChecksumError(f"array {ds.name!r} cannot be read: {exc}") from exc
+    arr = np.asarray(arr)
+    expected = ds.attrs.get("fkv_crc32")
+    if expected is None or zlib.crc32(_le_bytes(arr)) != int(expected):
+        raise ChecksumError(
+            f"array {ds.name!r} does not match its stored CRC-32: the file is damaged"
+        )
+    return arr

@@ -1,0 +1,111 @@
+"""Search methods of archive streams: :class:`SearchMixin` gives every
+:class:`~fkvstore.archive.Stream` ``search``, ``longest_suffix``, ``context`` and
+``build_index``, on top of :class:`~fkvstore.index.SuffixIndex`.
+
+A stream keeps one index per searched column, built from the archive on first use. It is kept
+current lazily: appended rows are added to the index (O(log n) amortised each) the next time a
+query runs, a truncation cuts the index back at once, and a reader that sees a writer rewind
+drops its indexes. ``build_index(persist=True)`` stores the walk points beside the stream
+(``aux/search_walk_<column>``, float64 ``(n, 2)``; docs/format.md), so reopening a large
+archive skips the decode-and-walk pass; the KD-trees are rebuilt from those points.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fkvstore._validate import integer
+from fkvstore.errors import StreamNotFoundError
+from fkvstore.index import SuffixIndex
+
+__all__ = ["SearchMixin"]
+
+_WALK_KEY = "search_walk_{}"
+
+
+class SearchMixin:
+    """Suffix search over one column of a stream (see docs/search.md)."""
+
+    _search_indexes: dict[int, SuffixIndex]
+
+    # ------------------------------------------------------------------ public
+    def search(self, query, column: int = 0) -> np.ndarray:
+        """Sorted int64 positions of the last symbol of every occurrence of ``query`` in
+        ``column`` (so ``s[p - len(query) + 1 : p + 1, column]`` equals it). ``query``: an
+        integer array, or ``bytes``/``str`` on a text stream. Exact: recall and precision 1."""
+        return self._search_index(column).search(self._search_query(query))
+
+    def longest_suffix(self, query, k: int = 1, column: int = 0):
+        """``(positions, lengths)``, int64: the ``k`` positions whose preceding symbols share
+        the longest common suffix with ``query``, longest first, ties to the most recent."""
+        return self._search_index(column).longest_suffix(self._search_query(query), k)
+
+    def context(self, pos: int, before: int = 32, after: int = 32, column: int | None = None):
+        """Rows ``[pos - before, pos + after]`` (clipped to the stream) around a hit, decoded
+        from the store: ``(n, width)`` int64, ``(n,)`` for one column (or a width-1 stream),
+        ``bytes`` on a text stream."""
+        self._check_open()
+        n = len(self)
+        pos = integer(pos, "pos", low=0, high=max(0, n - 1))
+        if n == 0:
+            raise IndexError(f"stream {self.name!r} is empty: no context to read")
+        before = integer(before, "before", low=0)
+        after = integer(after, "after", low=0)
+        rows = self.read(max(0, pos - before), min(n, pos + after + 1))
+        if column is not None:
+            return rows[:, self._search_column(column)]
+        return rows[:, 0] if self.width == 1 else rows
+
+    def build_index(self, column: int = 0, persist: bool = False) -> SuffixIndex:
+        """Build (or bring up to date) the index of ``column`` now; with ``persist=True`` also
+        store its walk points in the archive for the next open (needs a writable archive)."""
+        index = self._search_index(column)
+        if persist:
+            self._ar._check_writable()
+            self.put_aux_array(_WALK_KEY.format(column), index.walk,
+                               {"length": len(index), "rewinds": self._commit.rewinds,
+                                "codec": str(self.codec.config())})
+        return index
+
+    # ------------------------------------------------------------------ internals
+    def _search_query(self, query):
+        return query
+
+    def _search_column(self, column) -> int:
+        return integer(column, "column", low=0, high=self.width - 1)
+
+    def _search_index(self, column) -> SuffixIndex:
+        self._check_open()
+        column = self._search_column(column)
+        n = len(self)
+        index = self._search_indexes.get(column)
+        if index is None:
+            index = self._load_index(column, n)
+            self._search_indexes[column] = index
+        if len(index) > n:
+            index.truncate(n)
+        if len(index) < n:  # rows appended since the last query
+            index.extend(self.read(len(index), n)[:, column])
+        return index
+
+    def _load_index(self, column: int, n: int) -> SuffixIndex:
+        walk = None
+        try:
+            stored, attrs = self.get_aux_array(_WALK_KEY.format(column))
+        except StreamNotFoundError:
+            stored = None
+        if stored is not None and int(attrs.get("rewinds", -1)) == self._commit.rewinds \
+                and attrs.get("codec") == str(self.codec.config()) and len(stored) <= n:
+            walk = stored
+        count = n if walk is None else len(walk)
+        symbols = self.read(0, count)[:, column]
+        index = SuffixIndex.build(self.codec, symbols, walk=walk)
+        return index
+
+    def _search_truncated(self, n: int) -> None:
+        for index in self._search_indexes.values():
+            if len(index) > n:
+                index.truncate(n)
+
+    def _search_rewound(self) -> None:
+        self._search_indexes.clear()

@@ -1,0 +1,407 @@
+"""Atomic-free Triton decode attention on residual-VQ codes: one-hot products on tensor cores.
+
+Two launches per call:
+
+1. ``_split_kernel``: one program per (sequence split, batch, kv head, query-head chunk), plus
+   one extra program per (batch, kv head, chunk) for the exact sink and recent tokens. An
+   archive program first writes its own score table ``q . C_k[stage, c]`` (times
+   ``scale * log2(e)``) to scratch, then walks its positions in blocks. Weights are taken
+   against a fixed reference, the largest score the table allows (the sum over key stages of
+   each stage's best centroid), so no block needs a reduction or a rescale; a split whose best
+   score lies far below that bound is walked a second time against its true maximum.
+   The value histogram ``W[stage, head, c]`` (total weight of the positions whose value code
+   at that stage is ``c``) is accumulated with ``tl.dot`` instead of atomic adds: a code is
+   split into a high and a low part, ``c = hi * LO + lo``, and
+
+       W[s, (g, hi), lo] += sum_n (p[g, n] * [hi_code[s, n] == hi]) * [lo_code[s, n] == lo]
+
+   is one batched matrix product per block whose operands are built with
+   ``heads * HI + LO`` comparisons per position and stage (instead of ``codebook_size``).
+   Each program finishes with the histogram times the value codebooks, and writes its partial
+   output with its softmax reference and weight sum (flash-decoding style).
+2. ``_combine_kernel``: one program per (batch, query head) merges the partials.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._rvq_triton import LOG2E, NEG_BIG, _launchable, _pow2
+from kernels._validate import DecodeProblem
+
+MIN_CODEBOOK = 256  # codebooks are padded to at least 16 x 16 (tl.dot needs 16 rows and columns)
+MAX_ACC = 4096  # float32 histogram entries per program (registers)
+MAX_A = 4096  # entries of the left one-hot operand per block (more spills registers)
+MAX_TABLE_BYTES = 256 << 20  # scratch for the per-program score tables
+MAX_SPLITS = 1024
+REF_HEADROOM = tl.constexpr(8.0)  # weights up to 2^8 against the score bound (float16 safe)
+REF_SLACK = tl.constexpr(4.0)  # best weight below 2^-4: redo the split with its true maximum
+
+
+@triton.jit
+def _exact_part(q, k_base, v_base, n_tokens, m, l, acc, k_sn, v_sn, d, d_ok, qk_scale,
+                BLOCK_E: tl.constexpr):
+    # q is float32 converted from float16 / bfloat16: exact in tf32, as are k and v
+    for n0 in range(0, n_tokens, BLOCK_E):
+        n = n0 + tl.arange(0, BLOCK_E)
+        n_ok = n < n_tokens
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None] * k_sn + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + n[:, None] * v_sn + d[None, :], mask=kv_mask, other=0.0)
+        score = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="tf32") * qk_scale
+        score = tl.where(n_ok[None, :], score, float("-inf"))
+        m_new = tl.maximum(m, tl.max(score, axis=1))
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(score - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="tf32")
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _weights_pass(tab, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
+                  KEY_STAGES: tl.constexpr, VALUE_STAGES: tl.constexpr,
+                  VALUE_STAGES_P: tl.constexpr, KEY_CODEBOOK_P: tl.constexpr,
+                  HI: tl.constexpr, LO: tl.constexpr, LO_BITS: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Value histogram, weight sum and largest score of positions [start, end) against the
+    reference ``m``: W[s, (g, hi), lo] += (p[g, n] [hi_code == hi]) @ [lo_code == lo]."""
+    rows = tl.arange(0, BLOCK_G)
+    hi_ar = tl.arange(0, HI)
+    lo_ar = tl.arange(0, LO)
+    vs = tl.arange(0, VALUE_STAGES_P)
+    acc = tl.zeros([VALUE_STAGES_P, BLOCK_G * HI, LO], tl.float32)
+    l = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+    top = tl.full([BLOCK_G, BLOCK_N], float("-inf"), tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        score = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+        for s in tl.static_range(KEY_STAGES):
+            code = tl.load(kc_base + n * kc_sn + s * kc_ss, mask=n_ok, other=0).to(tl.int32)
+            score += tl.load(tab + (s * BLOCK_G + rows[:, None]) * KEY_CODEBOOK_P
+                             + code[None, :])
+        score = tl.where(g_ok[:, None] & n_ok[None, :], score, float("-inf"))
+        top = tl.maximum(top, score)
+        p = tl.math.exp2(score - m[:, None]).to(tl.float16)
+        l += p.to(tl.float32)
+        # codes of padded stages and positions are -1: their high part matches no row
+        vcode = tl.load(vc_base + n[None, :] * vc_sn + vs[:, None] * vc_ss,
+                        mask=(vs[:, None] < VALUE_STAGES) & n_ok[None, :],
+                        other=-1).to(tl.int32)
+        hi_code = vcode >> LO_BITS
+        lo_code = vcode & (LO - 1)
+        left = tl.where(hi_code[:, None, None, :] == hi_ar[None, None, :, None],
+                        p[None, :, None, :], 0.0).to(tl.float16)
+        left = tl.reshape(left, (VALUE_STAGES_P, BLOCK_G * HI, BLOCK_N))
+        right = (lo_code[:, :, None] == lo_ar[None, None, :]).to(tl.float16)
+        acc = tl.dot(left, right, acc)
+    return acc, tl.sum(l, axis=1), tl.max(top, axis=1)
+
+
+@triton.jit
+def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
+                  sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr,
+                  tab_ptr, hist_ptr, o_ptr, ml_ptr, qk_scale,
+                  q_sb, q_sh,
+                  kcb_sh, kcb_ss, kcb_sc, vcb_sh, vcb_ss, vcb_sc,
+                  kc_sb, kc_sh, kc_sn, kc_ss, vc_sb, vc_sh, vc_sn, vc_ss,
+                  sk_sb, sk_sh, sk_sn, sv_sb, sv_sh, sv_sn,
+                  rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn,
+                  o_sb, o_sh, o_sp, ml_sb, ml_sh, ml_sp,
+                  KV_HEADS, GROUP, GROUP_CHUNKS, SPLIT_LEN, NUM_SPLITS, HEAD_DIM,
+                  KEY_CODEBOOK, VALUE_CODEBOOK,
+                  KEY_STAGES: tl.constexpr, VALUE_STAGES: tl.constexpr,
+                  VALUE_STAGES_P: tl.constexpr, KEY_CODEBOOK_P: tl.constexpr,
+                  HI: tl.constexpr, LO: tl.constexpr, LO_BITS: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_B: tl.constexpr, TABLE_IEEE: tl.constexpr):
+    split = tl.program_id(0)
+    pid_bhg = tl.program_id(1)
+    chunk = pid_bhg % GROUP_CHUNKS
+    kvh = (pid_bhg // GROUP_CHUNKS) % KV_HEADS
+    b = pid_bhg // (GROUP_CHUNKS * KV_HEADS)
+    row = tl.arange(0, BLOCK_M)  # BLOCK_G heads in BLOCK_M >= 16 rows (tl.dot needs 16)
+    g_row = chunk * BLOCK_G + row
+    row_ok = (row < BLOCK_G) & (g_row < GROUP)
+    heads_row = kvh * GROUP + g_row
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + b * q_sb + heads_row[:, None] * q_sh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_out = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_out = tl.zeros([BLOCK_M], tl.float32)
+    o_out = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if split == NUM_SPLITS:  # the exact sink and recent tokens of these heads
+        qf = q.to(tl.float32)
+        m_out, l_out, o_out = _exact_part(
+            qf, sk_ptr + b * sk_sb + kvh * sk_sh, sv_ptr + b * sv_sb + kvh * sv_sh,
+            tl.load(slen_ptr + b), m_out, l_out, o_out, sk_sn, sv_sn, d, d_ok, qk_scale,
+            BLOCK_E)
+        m_out, l_out, o_out = _exact_part(
+            qf, rk_ptr + b * rk_sb + kvh * rk_sh, rv_ptr + b * rv_sb + kvh * rv_sh,
+            tl.load(rlen_ptr + b), m_out, l_out, o_out, rk_sn, rv_sn, d, d_ok, qk_scale,
+            BLOCK_E)
+    else:
+        start = split * SPLIT_LEN
+        end = tl.minimum(start + SPLIT_LEN, tl.load(alen_ptr + b))
+        if start < end:
+            prog = pid_bhg * NUM_SPLITS + split
+            tab = tab_ptr + prog.to(tl.int64) * (KEY_STAGES * BLOCK_G * KEY_CODEBOOK_P)
+            hist = hist_ptr + prog.to(tl.int64) * (VALUE_STAGES_P * BLOCK_G * HI * LO)
+            # this program's score table, [stage, head, centroid]
+            qt = q.to(tl.float32)
+            ct = tl.arange(0, BLOCK_C)
+            for s in tl.static_range(KEY_STAGES):
+                for c0 in range(0, KEY_CODEBOOK, BLOCK_C):
+                    c = c0 + ct
+                    c_ok = c < KEY_CODEBOOK
+                    cb = tl.load(kcb_ptr + kvh * kcb_sh + s * kcb_ss + c[:, None] * kcb_sc
+                                 + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+                    if TABLE_IEEE:
+                        t = tl.dot(qt, tl.trans(cb.to(tl.float32)), input_precision="ieee")
+                    else:
+                        t = tl.dot(qt, tl.trans(cb.to(tl.float32)), input_precision="tf32")
+                    t = t * qk_scale
+                    tl.store(tab + (s * BLOCK_G + row[:, None]) * KEY_CODEBOOK_P + c[None, :],
+                             t, mask=(row[:, None] < BLOCK_G) & c_ok[None, :])
+            tl.debug_barrier()
+
+            g = chunk * BLOCK_G + tl.arange(0, BLOCK_G)
+            g_ok = g < GROUP
+            kc_base = kc_ptr + b * kc_sb + kvh * kc_sh
+            vc_base = vc_ptr + b * vc_sb + kvh * vc_sh
+            # a fixed softmax reference instead of a running maximum: no per-block reductions
+            # or rescaling. The largest score any position could reach is the sum over stages
+            # of the table's row maxima; weights are at most 2^REF_HEADROOM in float16.
+            bound = tl.zeros([BLOCK_G], tl.float32)
+            for s in tl.static_range(KEY_STAGES):
+                top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                for c0 in range(0, KEY_CODEBOOK, BLOCK_B):
+                    cb_ = c0 + tl.arange(0, BLOCK_B)
+                    t = tl.load(tab + (s * BLOCK_G + tl.arange(0, BLOCK_G)[:, None])
+                                * KEY_CODEBOOK_P + cb_[None, :],
+                                mask=cb_[None, :] < KEY_CODEBOOK, other=float("-inf"))
+                    top = tl.maximum(top, tl.max(t, axis=1))
+                bound += top
+            m = bound - REF_HEADROOM
+            acc, l, top = _weights_pass(
+                tab, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
+                KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO, LO_BITS,
+                BLOCK_G, BLOCK_N)
+            # float16 keeps full precision down to 2^-14: if the best position lies far below
+            # the bound, the weights near it would lose digits; redo with the true maximum
+            if tl.max(tl.where(g_ok, m - top, 0.0), axis=0) > REF_SLACK:
+                m = tl.where(g_ok, top, m)
+                acc, l, top = _weights_pass(
+                    tab, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
+                    KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO, LO_BITS,
+                    BLOCK_G, BLOCK_N)
+
+            # histogram times value codebooks: [heads, stages * centroids] @ [.., head_dim]
+            rows3 = tl.arange(0, BLOCK_G * HI)
+            vs = tl.arange(0, VALUE_STAGES_P)
+            lo_ar = tl.arange(0, LO)
+            tl.store(hist + vs[:, None, None] * (BLOCK_G * HI * LO) + rows3[None, :, None] * LO
+                     + lo_ar[None, None, :], acc)
+            tl.debug_barrier()
+            for s in tl.static_range(VALUE_STAGES):
+                for c0 in range(0, VALUE_CODEBOOK, BLOCK_C):
+                    c = c0 + ct
+                    c_ok = c < VALUE_CODEBOOK
+                    w = tl.load(hist + s * (BLOCK_G * HI * LO) + row[:, None] * (HI * LO)
+                                + c[None, :], mask=(row[:, None] < BLOCK_G) & c_ok[None, :],
+                                other=0.0)
+                    cv = tl.load(vcb_ptr + kvh * vcb_sh + s * vcb_ss + c[:, None] * vcb_sc
+                                 + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+                    o_out = tl.dot(w, cv.to(tl.float32), o_out, input_precision="tf32")
+            m_g = tl.where(g_ok, m, NEG_BIG)
+            l_g = tl.where(g_ok, l, 0.0)
+            # from BLOCK_G entries to the BLOCK_M rows of the output
+            sel = tl.arange(0, BLOCK_G)[None, :] == row[:, None]
+            m_out = tl.max(tl.where(sel, m_g[None, :], NEG_BIG), axis=1)
+            l_out = tl.sum(tl.where(sel, l_g[None, :], 0.0), axis=1)
+
+    base = b * ml_sb + heads_row * ml_sh + split * ml_sp
+    tl.store(ml_ptr + base, m_out, mask=row_ok)
+    tl.store(ml_ptr + base + 1, l_out, mask=row_ok)
+    tl.store(o_ptr + b * o_sb + heads_row[:, None] * o_sh + split * o_sp + d[None, :], o_out,
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(o_ptr, ml_ptr, out_ptr, o_sb, o_sh, o_sp, ml_sb, ml_sh, ml_sp,
+                    out_sb, out_sh, Q_HEADS, PARTS, HEAD_DIM,
+                    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    h = pid % Q_HEADS
+    b = pid // Q_HEADS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    parts = tl.arange(0, BLOCK_P)
+    ml = ml_ptr + b * ml_sb + h * ml_sh
+    m_all = tl.full([BLOCK_P], NEG_BIG, tl.float32)
+    for p0 in range(0, PARTS, BLOCK_P):
+        m_all = tl.maximum(m_all, tl.load(ml + (p0 + parts) * ml_sp, mask=p0 + parts < PARTS,
+                                          other=NEG_BIG))
+    m = tl.max(m_all, axis=0)
+    total = tl.zeros([BLOCK_P], tl.float32)
+    acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+    for p0 in range(0, PARTS, BLOCK_P):
+        ok = p0 + parts < PARTS
+        m_p = tl.load(ml + (p0 + parts) * ml_sp, mask=ok, other=NEG_BIG)
+        w = tl.where(ok, tl.math.exp2(m_p - m), 0.0)
+        total += w * tl.load(ml + (p0 + parts) * ml_sp + 1, mask=ok, other=0.0)
+        o = tl.load(o_ptr + b * o_sb + h * o_sh + (p0 + parts)[:, None] * o_sp + d[None, :],
+                    mask=ok[:, None] & d_ok[None, :], other=0.0)
+        acc += w[:, None] * o
+    out = tl.sum(acc, axis=0) / tl.sum(total, axis=0)
+    tl.store(out_ptr + b * out_sb + h * out_sh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _floor_pow2(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+class Plan:
+    """Block sizes of the one-hot kernel for one problem shape (``None`` fields: unsupported)."""
+
+    def __init__(self, group: int, value_stages: int, value_codebook: int, key_stages: int,
+                 key_codebook: int):
+        self.value_stages_p = _pow2(value_stages)
+        self.codebook_p = _pow2(value_codebook, MIN_CODEBOOK)
+        self.key_codebook_p = _pow2(key_codebook)
+        block_g = min(_pow2(group), max(1, MAX_ACC // (self.value_stages_p * self.codebook_p)))
+        self.block_g = block_g
+        bits = self.codebook_p.bit_length() - 1
+        # LO >= 16 columns and BLOCK_G * HI >= 16 rows (tl.dot); the low part near
+        # sqrt(heads * codebook) needs the fewest comparisons per position
+        max_lo_bits = bits - max(0, 4 - (block_g.bit_length() - 1))
+        lo_bits = round(math.log2(block_g * self.codebook_p) / 2)
+        self.lo_bits = max(4, min(max_lo_bits, lo_bits))
+        self.lo = 1 << self.lo_bits
+        self.hi = self.codebook_p >> self.lo_bits
+        per_position = self.value_stages_p * block_g * self.hi
+        self.block_n = max(16, min(128, _floor_pow2(MAX_A // per_position)))
+        self.supported = self.value_stages_p * block_g * self.codebook_p <= MAX_ACC
+
+    def table_floats(self, key_stages: int) -> int:
+        return key_stages * self.block_g * self.key_codebook_p
+
+
+def plan_for(problem: DecodeProblem) -> Plan:
+    return Plan(problem.q_heads // problem.kv_heads, problem.value_codebooks.shape[1],
+                problem.value_codebooks.shape[2], problem.key_codebooks.shape[1],
+                problem.key_codebooks.shape[2])
+
+
+def supports(problem: DecodeProblem, num_splits: int | None = None) -> bool:
+    """Whether the one-hot kernel handles this problem (histogram fits, scratch bounded)."""
+    plan = plan_for(problem)
+    if not plan.supported:
+        return False
+    splits = num_splits or choose_num_splits(problem)
+    programs = splits * problem.batch * problem.kv_heads * _chunks(problem, plan)
+    return programs * plan.table_floats(problem.key_codebooks.shape[1]) * 4 <= MAX_TABLE_BYTES
+
+
+def _chunks(problem: DecodeProblem, plan: Plan) -> int:
+    return math.ceil(problem.q_heads // problem.kv_heads / plan.block_g)
+
+
+SPLIT_WAVES = 4  # programs per multiprocessor aimed at (each has a fixed table + codebook cost)
+MIN_SPLIT_LEN = 1024  # H200: 1K positions per split beat 512 at batch 1 (fixed table cost)
+
+
+def choose_num_splits(problem: DecodeProblem, waves: int = SPLIT_WAVES) -> int:
+    """Splits so that about ``waves`` programs per multiprocessor run, none shorter than 1024."""
+    capacity = problem.key_codes.shape[2]
+    if capacity == 0:
+        return 1
+    plan = plan_for(problem)
+    programs = problem.batch * problem.kv_heads * _chunks(problem, plan)
+    if problem.query.is_cuda:
+        sms = torch.cuda.get_device_properties(problem.query.device).multi_processor_count
+    else:
+        sms = 4
+    wanted = math.ceil(waves * sms / programs)
+    return max(1, min(wanted, math.ceil(capacity / MIN_SPLIT_LEN), MAX_SPLITS))
+
+
+def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
+           num_stages: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """Run the split and combine kernels on a validated problem; ``(batch, q_heads, head_dim)``.
+
+    ``num_stages`` (software pipelining depth) and ``block_n`` (positions per step, a power of
+    two >= 16) override the defaults, for tuning.
+    """
+    p = problem
+    batch, q_heads, head_dim = p.query.shape
+    kv_heads = p.kv_heads
+    group = q_heads // kv_heads
+    key_stages, key_codebook = p.key_codebooks.shape[1:3]
+    value_stages, value_codebook = p.value_codebooks.shape[1:3]
+    plan = plan_for(p)
+    if not plan.supported:
+        raise ValueError(f"value_codebooks {tuple(p.value_codebooks.shape)}: the histogram "
+                         f"does not fit the one-hot kernel")
+    if num_splits is None:
+        num_splits = choose_num_splits(p)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
+    capacity = p.key_codes.shape[2]
+    block_n = plan.block_n if block_n is None else block_n
+    split_len = max(block_n, math.ceil(max(capacity, 1) / num_splits / block_n) * block_n)
+    num_splits = max(1, math.ceil(capacity / split_len))
+    chunks = _chunks(p, plan)
+    device = p.query.device
+    block_d = _pow2(head_dim, 16)
+    qk_scale = p.scale * LOG2E
+    programs = num_splits * batch * kv_heads * chunks
+
+    tab = torch.empty(programs * plan.table_floats(key_stages), dtype=torch.float32,
+                      device=device)
+    hist = torch.empty(programs * plan.value_stages_p * plan.block_g * plan.codebook_p,
+                       dtype=torch.float32, device=device)
+    parts = num_splits + 1  # the last part holds the exact tokens
+    o_part = torch.empty(batch, q_heads, parts, head_dim, dtype=torch.float32, device=device)
+    ml_part = torch.empty(batch, q_heads, parts, 2, dtype=torch.float32, device=device)
+    kc, vc = p.key_codes, p.value_codes
+    if capacity == 0:  # no archived slot at all: give the launcher real (never read) memory
+        kc = kc.new_zeros(batch, kv_heads, 1, key_stages)
+        vc = vc.new_zeros(batch, kv_heads, 1, value_stages)
+    sk, sv, rk, rv = (_launchable(t) for t in (p.sink_keys, p.sink_values, p.recent_keys,
+                                                 p.recent_values))
+    kcb, vcb = p.key_codebooks, p.value_codebooks
+    table_ieee = kcb.dtype == torch.float32  # fp16 and bf16 are exact in tf32
+    _split_kernel[(parts, batch * kv_heads * chunks)](
+        p.query, kcb, vcb, kc, vc, p.archived_lengths,
+        sk, sv, rk, rv, p.sink_lengths, p.recent_lengths,
+        tab, hist, o_part, ml_part, qk_scale,
+        p.query.stride(0), p.query.stride(1),
+        *kcb.stride()[:3], *vcb.stride()[:3],
+        *kc.stride(), *vc.stride(),
+        *sk.stride()[:3], *sv.stride()[:3], *rk.stride()[:3], *rv.stride()[:3],
+        *o_part.stride()[:3], *ml_part.stride()[:3],
+        kv_heads, group, chunks, split_len, num_splits, head_dim,
+        key_codebook, value_codebook,
+        KEY_STAGES=key_stages, VALUE_STAGES=value_stages,
+        VALUE_STAGES_P=plan.value_stages_p, KEY_CODEBOOK_P=plan.key_codebook_p,
+        HI=plan.hi, LO=plan.lo, LO_BITS=plan.lo_bits,
+        BLOCK_G=plan.block_g, BLOCK_M=max(16, plan.block_g), BLOCK_N=block_n,
+        BLOCK_D=block_d, BLOCK_C=32, BLOCK_E=16, BLOCK_B=min(256, plan.key_codebook_p),
+        TABLE_IEEE=table_ieee,
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+    out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=device)
+    _combine_kernel[(batch * q_heads,)](
+        o_part, ml_part, out, *o_part.stride()[:3], *ml_part.stride()[:3],
+        out.stride(0), out.stride(1), q_heads, parts, head_dim,
+        BLOCK_P=min(32, _pow2(parts)), BLOCK_D=block_d, num_warps=num_warps)
+    return out

@@ -1,0 +1,430 @@
+"""Triton kernels for decode attention on residual-VQ codes (split over the sequence).
+
+This module holds the atomic-add kernel and :func:`decode`, which picks it or the one-hot
+kernel of ``kernels/_rvq_onehot.py`` per problem. The atomic kernel is four launches per call,
+none of which forms a dense key or value of the archived part:
+
+1. ``_score_table_kernel``: the table ``q . C_k[stage, c]`` for every query head, key stage and
+   key centroid, pre-multiplied by ``scale * log2(e)`` so the softmax can use ``exp2``.
+2. ``_split_max_kernel``: one program per (sequence split, batch, kv head, query-head chunk).
+   A position's score is the sum of ``key_stages`` table look-ups; the program writes the
+   largest score of its split. Split 0 also clears the value histogram of its heads.
+3. ``_value_histogram_kernel``: same grid. Every program takes the maximum over all splits of
+   its heads as the common softmax reference, recomputes its scores, and adds each position's
+   weight ``exp2(score - max)`` to the histogram bin of every value centroid the position
+   chose (one atomic add per position, head and value stage), and its weight sum to ``l``.
+   A common reference makes the histograms of all splits addable: they share out at most
+   ``MAX_REPLICAS`` copies per head (fewer atomics meet at one address) instead of one each.
+4. ``_exact_and_combine_kernel``: one program per (batch, kv head, query-head chunk). Runs an
+   online softmax over the exact sink and recent tokens, merges it with the archived part, and
+   finishes with one small matmul of the histogram against the value codebooks.
+
+Why a histogram and atomics: a value is the sum of its stages' centroids, so the attention
+output over archived positions is ``sum_stage sum_c W[stage, c] C_v[stage, c]`` where ``W`` is the
+total weight of the positions that chose centroid ``c``. Building ``W`` costs one add per
+position and stage instead of reading a ``head_dim`` vector.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._validate import DecodeProblem
+
+LOG2E = 1.4426950408889634
+MAX_HEADS_PER_PROGRAM = 16  # query heads of one GQA group handled together (they share codes)
+NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(NEG_BIG - NEG_BIG) stays 1
+MAX_HISTOGRAM_COLUMNS = 1 << 16  # value stages x codebook size (padded to a power of two)
+MAX_REPLICAS = 8  # copies of each head's histogram that the splits share out
+
+
+@triton.jit
+def _score_table_kernel(q_ptr, cb_ptr, table_ptr, qk_scale,
+                        q_sb, q_sh,
+                        cb_sh, cb_ss, cb_sc,
+                        t_sb, t_sh, t_ss,
+                        KV_HEADS, GROUP, GROUP_CHUNKS, CODEBOOK, HEAD_DIM,
+                        BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_bhg = tl.program_id(0)
+    stage = tl.program_id(1)
+    pid_c = tl.program_id(2)
+    chunk = pid_bhg % GROUP_CHUNKS
+    kvh = (pid_bhg // GROUP_CHUNKS) % KV_HEADS
+    b = pid_bhg // (GROUP_CHUNKS * KV_HEADS)
+
+    g = chunk * BLOCK_G + tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    heads = kvh * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < CODEBOOK
+
+    q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    cb = tl.load(cb_ptr + kvh * cb_sh + stage * cb_ss + c[:, None] * cb_sc + d[None, :],
+                 mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    table = tl.sum(q[:, None, :] * cb[None, :, :], axis=2) * qk_scale
+    tl.store(table_ptr + b * t_sb + heads[:, None] * t_sh + stage * t_ss + c[None, :], table,
+             mask=g_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _archived_scores(table_rows, g_ok, kc_base, n, n_ok, kc_sn, kc_ss, t_ss,
+                     KEY_STAGES: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+    score = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+    for s in tl.static_range(KEY_STAGES):
+        code = tl.load(kc_base + n * kc_sn + s * kc_ss, mask=n_ok, other=0).to(tl.int32)
+        score += tl.load(table_rows + s * t_ss + code[None, :],
+                         mask=g_ok[:, None] & n_ok[None, :], other=0.0)
+    return tl.where(g_ok[:, None] & n_ok[None, :], score, float("-inf"))
+
+
+@triton.jit
+def _split_max_kernel(table_ptr, kc_ptr, alen_ptr, mx_ptr, hist_ptr, l_ptr,
+                      t_sb, t_sh, t_ss,
+                      kc_sb, kc_sh, kc_sn, kc_ss,
+                      mx_sb, mx_sh, h_sb, h_sh, l_sb, l_sh,
+                      KV_HEADS, GROUP, GROUP_CHUNKS, SPLIT_LEN, HIST_LEN,
+                      KEY_STAGES: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_Z: tl.constexpr):
+    split = tl.program_id(0)
+    pid_bhg = tl.program_id(1)
+    chunk = pid_bhg % GROUP_CHUNKS
+    kvh = (pid_bhg // GROUP_CHUNKS) % KV_HEADS
+    b = pid_bhg // (GROUP_CHUNKS * KV_HEADS)
+    g = chunk * BLOCK_G + tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    heads = kvh * GROUP + g
+
+    if split == 0:  # the histogram kernel accumulates with atomics: start it from zero
+        zeros = tl.zeros([BLOCK_G, BLOCK_Z], tl.float32)
+        for c0 in range(0, HIST_LEN, BLOCK_Z):
+            col = c0 + tl.arange(0, BLOCK_Z)
+            tl.store(hist_ptr + b * h_sb + heads[:, None] * h_sh + col[None, :], zeros,
+                     mask=g_ok[:, None] & (col[None, :] < HIST_LEN))
+        tl.store(l_ptr + b * l_sb + heads * l_sh, tl.zeros([BLOCK_G], tl.float32), mask=g_ok)
+
+    n_archived = tl.load(alen_ptr + b)
+    start = split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, n_archived)
+    table_rows = table_ptr + b * t_sb + heads[:, None] * t_sh
+    kc_base = kc_ptr + b * kc_sb + kvh * kc_sh
+    m = tl.full([BLOCK_G, BLOCK_N], NEG_BIG, tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        score = _archived_scores(table_rows, g_ok, kc_base, n, n < end, kc_sn, kc_ss, t_ss,
+                                 KEY_STAGES, BLOCK_G, BLOCK_N)
+        m = tl.maximum(m, score)
+    tl.store(mx_ptr + b * mx_sb + heads * mx_sh + split, tl.max(m, axis=1), mask=g_ok)
+
+
+@triton.jit
+def _value_histogram_kernel(table_ptr, kc_ptr, vc_ptr, alen_ptr, mx_ptr, hist_ptr, l_ptr,
+                            t_sb, t_sh, t_ss,
+                            kc_sb, kc_sh, kc_sn, kc_ss,
+                            vc_sb, vc_sh, vc_sn, vc_ss,
+                            mx_sb, mx_sh, h_sb, h_sh, l_sb, l_sh,
+                            KV_HEADS, GROUP, GROUP_CHUNKS, SPLIT_LEN, NUM_SPLITS, COLUMNS,
+                            REPLICAS, KEY_STAGES: tl.constexpr, VALUE_STAGES: tl.constexpr,
+                            VALUE_CODEBOOK_P: tl.constexpr, BLOCK_G: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+    split = tl.program_id(0)
+    pid_bhg = tl.program_id(1)
+    chunk = pid_bhg % GROUP_CHUNKS
+    kvh = (pid_bhg // GROUP_CHUNKS) % KV_HEADS
+    b = pid_bhg // (GROUP_CHUNKS * KV_HEADS)
+    g = chunk * BLOCK_G + tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    heads = kvh * GROUP + g
+
+    n_archived = tl.load(alen_ptr + b)
+    start = split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, n_archived)
+    if start < end:
+        splits = tl.arange(0, BLOCK_S)
+        m_all = tl.load(mx_ptr + b * mx_sb + heads[:, None] * mx_sh + splits[None, :],
+                        mask=g_ok[:, None] & (splits[None, :] < NUM_SPLITS), other=NEG_BIG)
+        m = tl.max(m_all, axis=1)
+        table_rows = table_ptr + b * t_sb + heads[:, None] * t_sh
+        kc_base = kc_ptr + b * kc_sb + kvh * kc_sh
+        vc_base = vc_ptr + b * vc_sb + kvh * vc_sh
+        # splits spread over a few histogram copies: fewer atomics meet at one address
+        hist_rows = hist_ptr + b * h_sb + heads[:, None] * h_sh + (split % REPLICAS) * COLUMNS
+        l = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = n < end
+            score = _archived_scores(table_rows, g_ok, kc_base, n, n_ok, kc_sn, kc_ss, t_ss,
+                                     KEY_STAGES, BLOCK_G, BLOCK_N)
+            p = tl.math.exp2(score - m[:, None])
+            l += p
+            ok = g_ok[:, None] & n_ok[None, :]
+            for s in tl.static_range(VALUE_STAGES):
+                code = tl.load(vc_base + n * vc_sn + s * vc_ss, mask=n_ok, other=0).to(tl.int32)
+                tl.atomic_add(hist_rows + s * VALUE_CODEBOOK_P + code[None, :], p, mask=ok,
+                              sem="relaxed")
+        tl.atomic_add(l_ptr + b * l_sb + heads * l_sh, tl.sum(l, axis=1), mask=g_ok, sem="relaxed")
+
+
+@triton.jit
+def _exact_segment(q, k_base, v_base, n_tokens, m, l, acc, k_sn, v_sn, d, d_ok,
+                   BLOCK_E: tl.constexpr):
+    for n0 in range(0, n_tokens, BLOCK_E):
+        n = n0 + tl.arange(0, BLOCK_E)
+        n_ok = n < n_tokens
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None] * k_sn + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + n[:, None] * v_sn + d[None, :], mask=kv_mask, other=0.0)
+        score = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        score = tl.where(n_ok[None, :], score, float("-inf"))
+        m_new = tl.maximum(m, tl.max(score, axis=1))
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(score - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _exact_and_combine_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr,
+                              mx_ptr, l_ptr, hist_ptr, vcb_ptr, out_ptr, qk_scale,
+                              q_sb, q_sh,
+                              sk_sb, sk_sh, sk_sn, sv_sb, sv_sh, sv_sn,
+                              rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn,
+                              mx_sb, mx_sh, l_sb, l_sh, h_sb, h_sh,
+                              vcb_sh, vcb_ss, vcb_sc,
+                              o_sb, o_sh,
+                              KV_HEADS, GROUP, GROUP_CHUNKS, NUM_SPLITS, HEAD_DIM, VALUE_CODEBOOK,
+                              COLUMNS,
+                              VALUE_STAGES: tl.constexpr, VALUE_CODEBOOK_P: tl.constexpr,
+                              REPLICAS: tl.constexpr, BLOCK_G: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                              BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+                              BLOCK_C: tl.constexpr):
+    # BLOCK_G heads of the group, in BLOCK_M >= 16 rows so that tl.dot applies
+    pid_bhg = tl.program_id(0)
+    chunk = pid_bhg % GROUP_CHUNKS
+    kvh = (pid_bhg // GROUP_CHUNKS) % KV_HEADS
+    b = pid_bhg // (GROUP_CHUNKS * KV_HEADS)
+    row = tl.arange(0, BLOCK_M)
+    g = chunk * BLOCK_G + row
+    g_ok = (row < BLOCK_G) & (g < GROUP)
+    heads = kvh * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * qk_scale
+    m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m, l, acc = _exact_segment(q, sk_ptr + b * sk_sb + kvh * sk_sh,
+                               sv_ptr + b * sv_sb + kvh * sv_sh, tl.load(slen_ptr + b),
+                               m, l, acc, sk_sn, sv_sn, d, d_ok, BLOCK_E)
+    m, l, acc = _exact_segment(q, rk_ptr + b * rk_sb + kvh * rk_sh,
+                               rv_ptr + b * rv_sb + kvh * rv_sh, tl.load(rlen_ptr + b),
+                               m, l, acc, rk_sn, rv_sn, d, d_ok, BLOCK_E)
+
+    # the archived part: its reference maximum, weight sum and histogram
+    splits = tl.arange(0, BLOCK_S)
+    m_split = tl.load(mx_ptr + b * mx_sb + heads[:, None] * mx_sh + splits[None, :],
+                      mask=g_ok[:, None] & (splits[None, :] < NUM_SPLITS), other=NEG_BIG)
+    m_arch = tl.max(m_split, axis=1)
+    l_arch = tl.load(l_ptr + b * l_sb + heads * l_sh, mask=g_ok, other=0.0)
+    m_all = tl.maximum(m, m_arch)
+    w_exact = tl.math.exp2(m - m_all)
+    w_arch = tl.math.exp2(m_arch - m_all)
+    total = tl.where(g_ok, l * w_exact + l_arch * w_arch, 1.0)
+
+    values = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hist_rows = hist_ptr + b * h_sb + heads[:, None] * h_sh
+    for s in tl.static_range(VALUE_STAGES):
+        for c0 in range(0, VALUE_CODEBOOK, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            c_ok = c < VALUE_CODEBOOK
+            weight = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+            for r in tl.static_range(REPLICAS):
+                weight += tl.load(hist_rows + r * COLUMNS + s * VALUE_CODEBOOK_P + c[None, :],
+                                  mask=g_ok[:, None] & c_ok[None, :], other=0.0)
+            vcb = tl.load(vcb_ptr + kvh * vcb_sh + s * vcb_ss + c[:, None] * vcb_sc + d[None, :],
+                          mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            values += tl.dot(weight, vcb, input_precision="ieee")
+
+    out = (acc * w_exact[:, None] + values * w_arch[:, None]) / total[:, None]
+    tl.store(out_ptr + b * o_sb + heads[:, None] * o_sh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def _launchable(exact: torch.Tensor) -> torch.Tensor:
+    """An exact K/V segment with unit stride over head_dim and at least one (unread) slot."""
+    if exact.shape[2] == 0:
+        return exact.new_zeros(exact.shape[0], exact.shape[1], 1, exact.shape[3])
+    return exact if exact.stride(3) == 1 else exact.contiguous()
+
+
+def _pow2(x: int, floor: int = 1) -> int:
+    return max(floor, triton.next_power_of_2(int(x)))
+
+
+def histogram_columns(value_stages: int, value_codebook_size: int) -> int:
+    """Columns of the value histogram of one query head (codebook padded to a power of two)."""
+    return value_stages * _pow2(value_codebook_size)
+
+
+def heads_per_program(group: int) -> int:
+    return min(MAX_HEADS_PER_PROGRAM, _pow2(group))
+
+
+def block_positions(group: int) -> int:
+    """Positions per loop step: about 256 (head, position) pairs in flight per program."""
+    return max(32, 256 // heads_per_program(group))
+
+
+def choose_num_splits(problem: DecodeProblem) -> int:
+    """Enough splits for a few waves of programs over the GPU, never empty ones."""
+    capacity = problem.key_codes.shape[2]
+    if capacity == 0:
+        return 1
+    group = problem.q_heads // problem.kv_heads
+    chunks = math.ceil(group / heads_per_program(group))
+    programs = problem.batch * problem.kv_heads * chunks
+    if problem.query.is_cuda:
+        sms = torch.cuda.get_device_properties(problem.query.device).multi_processor_count
+    else:
+        sms = 4
+    wanted = math.ceil(8 * sms / programs)
+    return max(1, min(wanted, math.ceil(capacity / block_positions(group)), 1024))
+
+
+VARIANTS = ("onehot", "atomic")
+DEFAULT_VARIANT = "auto"  # choose_variant per problem
+
+
+def choose_variant(problem: DecodeProblem) -> str:
+    """The variant measured faster for this kind of problem (H200, ``docs/kernels.md``).
+
+    The one-hot kernel won at batch 1 with GQA groups (Qwen3-8B shapes: 1.05x to 1.6x the
+    atomic one, two launches instead of four); the atomic kernel stays ahead for MHA and for
+    larger batches, where its per-position cost (one atomic add per head and value stage) is
+    lower than the one-hot kernel's per-position operand building.
+    """
+    group = problem.q_heads // problem.kv_heads
+    return "onehot" if group >= 2 and problem.batch == 1 else "atomic"
+
+
+def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
+           variant: str | None = None) -> torch.Tensor:
+    """Decode attention on a validated problem; returns ``(batch, q_heads, head_dim)``.
+
+    ``variant``: ``"onehot"`` (``kernels/_rvq_onehot.py``: histogram by one-hot products,
+    two launches), ``"atomic"`` (this module: histogram by atomic adds, four launches) or
+    ``"auto"`` (:func:`choose_variant`); ``None`` means ``DEFAULT_VARIANT``. Problems the
+    one-hot kernel cannot hold (value histograms above its register budget) run the atomic one.
+    """
+    variant = DEFAULT_VARIANT if variant is None else variant
+    if variant not in (*VARIANTS, "auto"):
+        raise ValueError(f"variant must be one of {(*VARIANTS, 'auto')}, got {variant!r}")
+    if variant == "auto":
+        variant = choose_variant(problem)
+    if variant == "onehot":
+        from kernels import _rvq_onehot
+
+        if _rvq_onehot.supports(problem, num_splits):
+            return _rvq_onehot.decode(problem, num_splits=num_splits, num_warps=num_warps)
+    return decode_atomic(problem, num_splits=num_splits, num_warps=num_warps)
+
+
+def decode_atomic(problem: DecodeProblem, *, num_splits: int | None = None,
+                  num_warps: int = 4) -> torch.Tensor:
+    """Run the four kernels on a validated problem; returns ``(batch, q_heads, head_dim)``."""
+    p = problem
+    batch, q_heads, head_dim = p.query.shape
+    kv_heads = p.kv_heads
+    group = q_heads // kv_heads
+    key_stages, key_codebook = p.key_codebooks.shape[1:3]
+    value_stages, value_codebook = p.value_codebooks.shape[1:3]
+    columns = histogram_columns(value_stages, value_codebook)
+    if columns > MAX_HISTOGRAM_COLUMNS:
+        raise ValueError(
+            f"the value histogram would have {columns} columns per head (value_codebooks "
+            f"{tuple(p.value_codebooks.shape)}); at most {MAX_HISTOGRAM_COLUMNS} are supported")
+    if num_splits is None:
+        num_splits = choose_num_splits(p)
+    if not 1 <= num_splits <= 1024:
+        raise ValueError(f"num_splits must lie in [1, 1024], got {num_splits}")
+    block_g = heads_per_program(group)
+    block_n = block_positions(group)
+    capacity = p.key_codes.shape[2]
+    split_len = max(block_n, math.ceil(max(capacity, 1) / num_splits / block_n) * block_n)
+    num_splits = max(1, math.ceil(capacity / split_len))
+    device = p.query.device
+    chunks = math.ceil(group / block_g)
+    block_d = _pow2(head_dim, 16)
+    qk_scale = p.scale * LOG2E
+
+    table = torch.empty(batch, q_heads, key_stages, key_codebook, dtype=torch.float32,
+                        device=device)
+    replicas = min(MAX_REPLICAS, num_splits)
+    # one scratch buffer: per head the split maxima, the weight sum and the value histograms
+    scratch = torch.empty(batch, q_heads, num_splits + 1 + replicas * columns,
+                          dtype=torch.float32, device=device)
+    split_max, weight_sum, hist = (scratch[..., :num_splits], scratch[..., num_splits],
+                                   scratch[..., num_splits + 1:])
+    block_c = min(32, _pow2(key_codebook))
+    _score_table_kernel[(batch * kv_heads * chunks, key_stages, triton.cdiv(key_codebook,
+                                                                           block_c))](
+        p.query, p.key_codebooks, table, qk_scale,
+        p.query.stride(0), p.query.stride(1),
+        *p.key_codebooks.stride()[:3],
+        *table.stride()[:3],
+        kv_heads, group, chunks, key_codebook, head_dim,
+        BLOCK_G=block_g, BLOCK_C=block_c, BLOCK_D=block_d, num_warps=num_warps)
+
+    kc, vc = p.key_codes, p.value_codes
+    if capacity == 0:  # no archived slot at all: give the launcher real (never read) memory
+        kc = kc.new_zeros(batch, kv_heads, 1, key_stages)
+        vc = vc.new_zeros(batch, kv_heads, 1, value_stages)
+    grid = (num_splits, batch * kv_heads * chunks)
+    _split_max_kernel[grid](
+        table, kc, p.archived_lengths, split_max, hist, weight_sum,
+        *table.stride()[:3], *kc.stride(),
+        split_max.stride(0), split_max.stride(1), hist.stride(0), hist.stride(1),
+        weight_sum.stride(0), weight_sum.stride(1),
+        kv_heads, group, chunks, split_len, replicas * columns,
+        KEY_STAGES=key_stages, BLOCK_G=block_g, BLOCK_N=block_n,
+        BLOCK_Z=min(1024 // block_g, _pow2(replicas * columns)), num_warps=num_warps)
+    _value_histogram_kernel[grid](
+        table, kc, vc, p.archived_lengths, split_max, hist, weight_sum,
+        *table.stride()[:3], *kc.stride(), *vc.stride(),
+        split_max.stride(0), split_max.stride(1), hist.stride(0), hist.stride(1),
+        weight_sum.stride(0), weight_sum.stride(1),
+        kv_heads, group, chunks, split_len, num_splits, columns, replicas,
+        KEY_STAGES=key_stages, VALUE_STAGES=value_stages,
+        VALUE_CODEBOOK_P=_pow2(value_codebook), BLOCK_G=block_g, BLOCK_N=block_n,
+        BLOCK_S=_pow2(num_splits), num_warps=num_warps)
+
+    out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=device)
+    sk, sv, rk, rv = (_launchable(t) for t in (p.sink_keys, p.sink_values, p.recent_keys,
+                                                 p.recent_values))
+    vcb = p.value_codebooks
+    _exact_and_combine_kernel[(batch * kv_heads * chunks,)](
+        p.query, sk, sv, rk, rv, p.sink_lengths, p.recent_lengths,
+        split_max, weight_sum, hist, vcb, out, qk_scale,
+        p.query.stride(0), p.query.stride(1),
+        *sk.stride()[:3], *sv.stride()[:3], *rk.stride()[:3], *rv.stride()[:3],
+        split_max.stride(0), split_max.stride(1), weight_sum.stride(0), weight_sum.stride(1),
+        hist.stride(0), hist.stride(1),
+        *vcb.stride()[:3],
+        out.stride(0), out.stride(1),
+        kv_heads, group, chunks, num_splits, head_dim, value_codebook, columns,
+        VALUE_STAGES=value_stages, VALUE_CODEBOOK_P=_pow2(value_codebook), REPLICAS=replicas,
+        BLOCK_G=block_g, BLOCK_M=max(16, block_g), BLOCK_D=block_d, BLOCK_E=16,
+        BLOCK_S=_pow2(num_splits), BLOCK_C=min(64, _pow2(value_codebook, 16)),
+        num_warps=num_warps)
+    return out

@@ -1,0 +1,203 @@
+"""Argument checks shared by the Triton path and the torch reference.
+
+Every check raises ``ValueError`` (or ``TypeError`` for a non-tensor) that names the argument,
+what was expected and what arrived; nothing here uses ``assert``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
+CODEBOOK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The largest codebook each code dtype can address (codes are non-negative).
+CODE_DTYPE_LIMITS = {torch.uint8: 256, torch.int16: 32768}
+
+
+@dataclass(frozen=True)
+class DecodeProblem:
+    """One validated decode-attention call; lengths are int32 tensors on the query's device."""
+
+    query: torch.Tensor
+    key_codes: torch.Tensor
+    value_codes: torch.Tensor
+    key_codebooks: torch.Tensor
+    value_codebooks: torch.Tensor
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    recent_keys: torch.Tensor
+    recent_values: torch.Tensor
+    sink_lengths: torch.Tensor
+    archived_lengths: torch.Tensor
+    recent_lengths: torch.Tensor
+    scale: float
+
+    @property
+    def batch(self) -> int:
+        return self.query.shape[0]
+
+    @property
+    def q_heads(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.key_codebooks.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.query.shape[2]
+
+
+def _tensor(name: str, value, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}")
+    if value.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({names}), got {value.dtype}")
+    return value
+
+
+def _expect_dim(name: str, t: torch.Tensor, axis: int, expected: int, what: str) -> None:
+    if t.shape[axis] != expected:
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)}: dimension {axis} ({what}) must be {expected}"
+        )
+
+
+def _lengths(name: str, value, batch: int, full: int, device: torch.device) -> torch.Tensor:
+    if value is None:
+        return torch.full((batch,), full, dtype=torch.int32, device=device)
+    if isinstance(value, (list, tuple)):
+        value = torch.tensor(value, dtype=torch.int64)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor or a list of ints, got {type(value).__name__}")
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers, got dtype {value.dtype}")
+    if tuple(value.shape) != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},) (one per sequence), got "
+                         f"{tuple(value.shape)}")
+    low, high = int(value.min()), int(value.max())
+    if low < 0 or high > full:
+        raise ValueError(f"{name} must lie in [0, {full}] (the cache's capacity), got values "
+                         f"from {low} to {high}")
+    return value.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _exact_pair(kind: str, keys, values, query: torch.Tensor, kv_heads: int):
+    """Sink or recent K/V: both absent (an empty segment) or both ``(batch, kv_heads, n, d)``."""
+    batch, _, head_dim = query.shape
+    if keys is None and values is None:
+        empty = query.new_zeros((batch, kv_heads, 0, head_dim))
+        return empty, empty
+    if keys is None or values is None:
+        raise ValueError(f"{kind}_keys and {kind}_values must be given together")
+    for name, t in ((f"{kind}_keys", keys), (f"{kind}_values", values)):
+        _tensor(name, t, 4, (query.dtype,))
+        _expect_dim(name, t, 0, batch, "batch")
+        _expect_dim(name, t, 1, kv_heads, "kv_heads")
+        _expect_dim(name, t, 3, head_dim, "head_dim")
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, the query on {query.device}")
+    if keys.shape != values.shape:
+        raise ValueError(f"{kind}_keys {tuple(keys.shape)} and {kind}_values "
+                         f"{tuple(values.shape)} must have the same shape")
+    return keys, values
+
+
+def _codes(name: str, codes, codebooks: torch.Tensor, query: torch.Tensor, check_range: bool):
+    _tensor(name, codes, 4, tuple(CODE_DTYPE_LIMITS))
+    batch = query.shape[0]
+    _expect_dim(name, codes, 0, batch, "batch")
+    _expect_dim(name, codes, 1, codebooks.shape[0], "kv_heads")
+    _expect_dim(name, codes, 3, codebooks.shape[1], "stages, as in the codebooks")
+    limit = CODE_DTYPE_LIMITS[codes.dtype]
+    if codebooks.shape[2] > limit:
+        raise ValueError(f"{name} has dtype {codes.dtype}, which addresses at most {limit} "
+                         f"centroids, but the codebook has {codebooks.shape[2]}")
+    if codes.device != query.device:
+        raise ValueError(f"{name} is on {codes.device}, the query on {query.device}")
+    if check_range and codes.numel():
+        low, high = int(codes.min()), int(codes.max())
+        if low < 0 or high >= codebooks.shape[2]:
+            raise ValueError(f"{name} holds codes from {low} to {high}; they must lie in "
+                             f"[0, {codebooks.shape[2]}) (the codebook size)")
+
+
+def validate_decode_args(
+    query,
+    key_codes,
+    value_codes,
+    key_codebooks,
+    value_codebooks,
+    *,
+    archived_lengths=None,
+    sink_keys=None,
+    sink_values=None,
+    sink_lengths=None,
+    recent_keys=None,
+    recent_values=None,
+    recent_lengths=None,
+    scale=None,
+    check_codes: bool = True,
+) -> DecodeProblem:
+    """Check every argument of a decode-attention call and return them normalised."""
+    _tensor("query", query, 3, ACTIVATION_DTYPES)
+    batch, q_heads, head_dim = query.shape
+    if batch < 1 or q_heads < 1 or head_dim < 1:
+        raise ValueError(f"query has shape {tuple(query.shape)}; every dimension must be >= 1")
+    for name, cb in (("key_codebooks", key_codebooks), ("value_codebooks", value_codebooks)):
+        _tensor(name, cb, 4, CODEBOOK_DTYPES)
+        _expect_dim(name, cb, 3, head_dim, "head_dim, as in the query")
+        if min(cb.shape) < 1:
+            raise ValueError(f"{name} has shape {tuple(cb.shape)}; every dimension must be >= 1")
+        if cb.device != query.device:
+            raise ValueError(f"{name} is on {cb.device}, the query on {query.device}")
+    kv_heads = key_codebooks.shape[0]
+    if q_heads % kv_heads:
+        raise ValueError(f"query has {q_heads} heads, which is not a multiple of the "
+                         f"{kv_heads} kv_heads of the codebooks")
+    _expect_dim("value_codebooks", value_codebooks, 0, kv_heads, "kv_heads, as in key_codebooks")
+    _codes("key_codes", key_codes, key_codebooks, query, check_codes)
+    _codes("value_codes", value_codes, value_codebooks, query, check_codes)
+    if key_codes.shape[2] != value_codes.shape[2]:
+        raise ValueError(f"key_codes {tuple(key_codes.shape)} and value_codes "
+                         f"{tuple(value_codes.shape)} must hold the same number of positions "
+                         "(dimension 2)")
+    sink_keys, sink_values = _exact_pair("sink", sink_keys, sink_values, query, kv_heads)
+    recent_keys, recent_values = _exact_pair("recent", recent_keys, recent_values, query,
+                                             kv_heads)
+    device = query.device
+    sink_lengths = _lengths("sink_lengths", sink_lengths, batch, sink_keys.shape[2], device)
+    archived_lengths = _lengths("archived_lengths", archived_lengths, batch, key_codes.shape[2],
+                                device)
+    recent_lengths = _lengths("recent_lengths", recent_lengths, batch, recent_keys.shape[2],
+                              device)
+    total = sink_lengths.long() + archived_lengths.long() + recent_lengths.long()
+    if int(total.min()) < 1:
+        empty = [i for i, n in enumerate(total.tolist()) if n < 1]
+        raise ValueError(f"sequences {empty} have no cached position at all (sink, archived "
+                         "and recent lengths are all 0); attention over nothing is undefined")
+    if scale is None:
+        scale = head_dim ** -0.5
+    elif not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive number, got {scale!r}")
+    return DecodeProblem(
+        query=query.contiguous(),
+        key_codes=key_codes,
+        value_codes=value_codes,
+        key_codebooks=key_codebooks.contiguous(),
+        value_codebooks=value_codebooks.contiguous(),
+        sink_keys=sink_keys,
+        sink_values=sink_values,
+        recent_keys=recent_keys,
+        recent_values=recent_values,
+        sink_lengths=sink_lengths,
+        archived_lengths=archived_lengths,
+        recent_lengths=recent_lengths,
+        scale=float(scale),
+    )

@@ -1,0 +1,73 @@
+"""Plain-torch reference: dequantize the archived codes, then ordinary attention.
+
+This is the slow, obviously-correct oracle for the Triton path and the CPU fallback of
+:func:`kernels.rvq_decode_attention`. It materialises the dense K/V, which the kernel never does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels._validate import DecodeProblem, validate_decode_args
+
+
+def dequantize_rvq(codes: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
+    """Sum of the selected centroids over the stages of a residual-VQ code.
+
+    Args:
+        codes: ``(batch, kv_heads, seq, stages)``, uint8 or int16.
+        codebooks: ``(kv_heads, stages, codebook_size, head_dim)``, any float dtype.
+
+    Returns:
+        ``(batch, kv_heads, seq, head_dim)`` float32.
+    """
+    if codes.dim() != 4 or codebooks.dim() != 4:
+        raise ValueError(f"codes must be (batch, kv_heads, seq, stages) and codebooks "
+                         f"(kv_heads, stages, codebook_size, head_dim); got {tuple(codes.shape)} "
+                         f"and {tuple(codebooks.shape)}")
+    if codes.shape[1] != codebooks.shape[0] or codes.shape[3] != codebooks.shape[1]:
+        raise ValueError(f"codes {tuple(codes.shape)} do not match codebooks "
+                         f"{tuple(codebooks.shape)} in kv_heads or stages")
+    batch, kv_heads, seq, stages = codes.shape
+    books = codebooks.float()
+    heads = torch.arange(kv_heads, device=codes.device)[None, :, None]
+    out = torch.zeros(batch, kv_heads, seq, codebooks.shape[3], device=codes.device)
+    for stage in range(stages):
+        out += books[:, stage][heads, codes[..., stage].long()]
+    return out
+
+
+def _decode(problem: DecodeProblem) -> torch.Tensor:
+    p = problem
+    keys = dequantize_rvq(p.key_codes, p.key_codebooks)
+    values = dequantize_rvq(p.value_codes, p.value_codebooks)
+    group = p.q_heads // p.kv_heads
+    out = torch.empty(p.batch, p.q_heads, p.head_dim, dtype=torch.float32, device=p.query.device)
+    for b in range(p.batch):
+        ns, na, nr = (int(x[b]) for x in (p.sink_lengths, p.archived_lengths, p.recent_lengths))
+        k = torch.cat([p.sink_keys[b, :, :ns].float(), keys[b, :, :na],
+                       p.recent_keys[b, :, :nr].float()], dim=1)
+        v = torch.cat([p.sink_values[b, :, :ns].float(), values[b, :, :na],
+                       p.recent_values[b, :, :nr].float()], dim=1)
+        k = k.repeat_interleave(group, dim=0)  # query head h reads kv head h // group
+        v = v.repeat_interleave(group, dim=0)
+        q = p.query[b].float()[:, None, :]
+        out[b] = F.scaled_dot_product_attention(q, k, v, scale=p.scale)[:, 0]
+    return out
+
+
+def reference_decode_attention(query, key_codes, value_codes, key_codebooks, value_codebooks,
+                               *, out_dtype: torch.dtype | None = None, **cache) -> torch.Tensor:
+    """Decode attention on the dequantized cache, computed in float32.
+
+    Takes the same arguments as :func:`kernels.rvq_decode_attention` (keyword ``cache``
+    arguments: ``archived_lengths``, ``sink_keys``, ``sink_values``, ``sink_lengths``,
+    ``recent_keys``, ``recent_values``, ``recent_lengths``, ``scale``).
+
+    Returns:
+        ``(batch, q_heads, head_dim)`` in ``out_dtype`` (default: the query's dtype).
+    """
+    problem = validate_decode_args(query, key_codes, value_codes, key_codebooks,
+                                   value_codebooks, **cache)
+    return _decode(problem).to(out_dtype or query.dtype)

@@ -1,0 +1,35 @@
+"""Write tests/golden/v1.h5, the archive every later fkvstore must read exactly.
+
+Run once when the format version changes (``python tests/golden/make_golden.py``); the content
+comes from tests/test_archive_integrity.py::golden_content, so the test and the file agree.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))
+
+import fkvstore  # noqa: E402
+
+
+def write(path) -> None:
+    from test_archive_integrity import GOLDEN_TEXT, golden_content
+
+    with fkvstore.open(path, "w") as ar:
+        ar.attrs["purpose"] = "golden archive, format version 1"
+        for name, (geometry, alphabet, width, data) in golden_content().items():
+            s = ar.create_stream(name, alphabet, geometry=geometry, width=width, chunk_bytes=256)
+            s.extend(data[: len(data) // 2])
+            ar.flush()
+            s.extend(data[len(data) // 2 :])
+        ar.create_text_stream("text", chunk_bytes=256).extend(GOLDEN_TEXT)
+        ar.put_array("codebook", np.linspace(-1, 1, 24).reshape(2, 3, 4))
+
+
+if __name__ == "__main__":
+    write(HERE / "v1.h5")

@@ -1,0 +1,43 @@
+"""Random coded caches for the kernel tests (shared by the CPU, interpreter and GPU tests)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_case(*, batch=2, q_heads=4, kv_heads=2, head_dim=32, archived=40, key_stages=2,
+              value_stages=2, codebook_size=16, sinks=2, recent=3, dtype=torch.float16,
+              code_dtype=torch.uint8, device="cpu", seed=0, archived_lengths=None,
+              sink_lengths=None, recent_lengths=None):
+    """Keyword arguments for ``rvq_decode_attention`` describing one random coded cache."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g) * std).to(dtype=dtype, device=device)
+
+    def codes(stages):
+        c = torch.randint(0, codebook_size, (batch, kv_heads, archived, stages), generator=g)
+        return c.to(dtype=code_dtype, device=device)
+
+    case = {
+        "query": randn(batch, q_heads, head_dim, std=2.0),
+        "key_codes": codes(key_stages),
+        "value_codes": codes(value_stages),
+        "key_codebooks": randn(kv_heads, key_stages, codebook_size, head_dim),
+        "value_codebooks": randn(kv_heads, value_stages, codebook_size, head_dim),
+    }
+    if sinks is not None:
+        case["sink_keys"] = randn(batch, kv_heads, sinks, head_dim)
+        case["sink_values"] = randn(batch, kv_heads, sinks, head_dim)
+    if recent is not None:
+        case["recent_keys"] = randn(batch, kv_heads, recent, head_dim)
+        case["recent_values"] = randn(batch, kv_heads, recent, head_dim)
+    for name, value in (("archived_lengths", archived_lengths), ("sink_lengths", sink_lengths),
+                        ("recent_lengths", recent_lengths)):
+        if value is not None:
+            case[name] = torch.tensor(value, device=device)
+    return case
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()

@@ -1,0 +1,287 @@
+"""Checksums, SWMR readers, golden files and a stateful model test of the archive."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from h5reader import read_stream_with_h5py
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import fkvstore
+from fkvstore import cli
+from fkvstore.errors import ChecksumError
+
+HERE = Path(__file__).parent
+GOLDEN = HERE / "golden"
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(HERE.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _points_file_range(path, stream):
+    """Byte ranges of the stored point chunks (and tail chunks) of ``stream`` in the file."""
+    out = []
+    with h5py.File(path, "r", locking=False) as f:
+        for ds_name in ("points", "tail"):
+            ds = f[f"streams/{stream}/{ds_name}"]
+            for k in range(ds.id.get_num_chunks()):
+                info = ds.id.get_chunk_info(k)
+                out.append((ds_name, info.chunk_offset, info.byte_offset, info.size))
+    return out
+
+
+@pytest.mark.parametrize("geometry", ["grid", "ring"])
+def test_flipped_bytes_are_reported_never_decoded(tmp_path, geometry):
+    path = tmp_path / "a.h5"
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 200, (3000, 2))
+    with fkvstore.open(path, "w") as ar:
+        ar.create_stream("s", 200, geometry=geometry, width=2, chunk_bytes=1024).extend(data)
+    clean = path.read_bytes()
+    chunks = _points_file_range(path, "s")
+    with fkvstore.open(path) as ar:
+        tail_slot = int(ar["s"]._commit.tail_slot)
+    trials = 0
+    for ds_name, chunk_offset, byte_offset, size in chunks:
+        if ds_name == "tail" and chunk_offset[0] != tail_slot:
+            continue  # the inactive tail slot is not part of the archive
+        for pos in rng.integers(0, size, 2):
+            if ds_name == "points":  # only the committed rows of the last chunk matter
+                with h5py.File(path, "r", locking=False) as f:
+                    full = int(f["streams/s/points"].attrs["fkv_commit"][1])
+                if chunk_offset[0] + pos // 32 >= full:
+                    continue
+            damaged = bytearray(clean)
+            damaged[byte_offset + pos] ^= 1 << int(rng.integers(8))
+            path.write_bytes(damaged)
+            trials += 1
+            with fkvstore.open(path) as ar:
+                s = ar["s"]
+                with pytest.raises(ChecksumError, match="CRC-32"):
+                    s[:]
+                # every row either reads back right or raises: never a wrong symbol
+                for i in range(0, 3000, 37):
+                    try:
+                        got = s[i]
+                    except ChecksumError:
+                        continue
+                    np.testing.assert_array_equal(got, data[i])
+            assert cli.main(["verify", "--quiet", str(path)]) == 1
+    assert trials >= 10
+    path.write_bytes(clean)
+    with fkvstore.open(path) as ar:
+        np.testing.assert_array_equal(ar["s"][:], data)
+
+
+def test_flipped_array_byte(tmp_path):
+    path = tmp_path / "a.h5"
+    value = np.arange(1000, dtype=np.float64)
+    with fkvstore.open(path, "w") as ar:
+        ar.put_array("codebook", value)
+    with h5py.File(path, "r", locking=False) as f:
+        offset = f["arrays/codebook"].id.get_offset()
+    raw = bytearray(path.read_bytes())
+    raw[offset + 4000] ^= 0x10
+    path.write_bytes(raw)
+    with fkvstore.open(path) as ar, pytest.raises(ChecksumError, match="codebook"):
+        ar.get_array("codebook")
+
+
+def test_swmr_reader_sees_the_stream_grow(tmp_path):
+    """A writer in another process appends and flushes; this reader refreshes and follows."""
+    path = tmp_path / "a.h5"
+    with fkvstore.open(path, "w") as ar:
+        ar.create_stream("s", 100, width=3, chunk_bytes=512)
+    code = (
+        "import sys, numpy as np, fkvstore\n"
+        "ar = fkvstore.open(sys.argv[1], 'a')\n"
+        "s = ar['s']\n"
+        "for step in range(1, 6):\n"
+        "    sys.stdin.readline()\n"
+        "    s.extend(np.arange(step * 300 * 3).reshape(-1, 3)[-300:] % 100)\n"
+        "    if step == 4:\n"
+        "        s.truncate(500)\n"
+        "    ar.flush()\n"
+        "    print(len(s), flush=True)\n"
+        "ar.close()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(path)],
+        env=_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    expect = np.arange(1500 * 3).reshape(-1, 3) % 100
+    seen = []
+    with fkvstore.open(path, "r") as ar:
+        s = ar["s"]
+        assert len(s) == 0
+        s[0:0]
+        for _ in range(5):
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            n = int(proc.stdout.readline())
+            ar.refresh()
+            assert len(s) == n
+            want = expect[:n] if n != 500 else expect[:500]
+            if len(seen) >= 3:  # after the truncate at step 4 the writer re-grows from 500
+                want = np.concatenate([expect[:500], expect[1200 : 1200 + n - 500]])
+            np.testing.assert_array_equal(s[:], want)
+            np.testing.assert_array_equal(s[n - 1], want[-1])
+            seen.append(n)
+    assert proc.wait() == 0
+    assert seen == [300, 600, 900, 500, 800]
+
+
+# -- golden files --------------------------------------------------------------------------------
+def golden_content():
+    """What the golden archives hold; tests/golden/make_golden.py writes them from this."""
+    rng = np.random.default_rng(20261130)
+    return {
+        "grid1": ("grid", 256, 1, rng.integers(0, 256, (1000, 1))),
+        "ring3": ("ring", 27, 3, rng.integers(0, 27, (257, 3))),
+        "wide": ("grid", 50257, 8, rng.integers(0, 50257, (40, 8))),
+        "empty": ("grid", 5, 2, np.zeros((0, 2), np.int64)),
+    }
+
+
+GOLDEN_TEXT = "The Time Traveller (for so it will be convenient to speak of him) — ∞\n"
+
+
+def test_golden_files_read_exactly():
+    path = GOLDEN / "v1.h5"
+    assert path.exists(), "run tests/golden/make_golden.py"
+    with fkvstore.open(path) as ar:
+        assert ar.attrs["purpose"] == "golden archive, format version 1"
+        for name, (geometry, alphabet, width, data) in golden_content().items():
+            s = ar[name]
+            assert (s.codec.geometry, s.alphabet_size, s.width) == (geometry, alphabet, width)
+            np.testing.assert_array_equal(s[:], data)
+            np.testing.assert_array_equal(read_stream_with_h5py(path, name), data)
+        assert ar["text"].text() == GOLDEN_TEXT
+        np.testing.assert_array_equal(
+            ar.get_array("codebook"), np.linspace(-1, 1, 24).reshape(2, 3, 4)
+        )
+
+
+def test_golden_file_is_reproduced_byte_for_byte(tmp_path):
+    """The writer still produces the same stored bytes (points, tails, checksums)."""
+    sys.path.insert(0, str(GOLDEN))
+    import make_golden
+
+    fresh = tmp_path / "v1.h5"
+    make_golden.write(fresh)
+    with (
+        h5py.File(GOLDEN / "v1.h5", "r", locking=False) as old,
+        h5py.File(fresh, "r", locking=False) as new,
+    ):
+        for name in golden_content().keys() | {"text"}:
+            for ds in ("points", "block_crc"):
+                a, b = old[f"streams/{name}/{ds}"], new[f"streams/{name}/{ds}"]
+                assert a[:].tobytes() == b[:].tobytes(), (name, ds)
+            assert (
+                old[f"streams/{name}/points"].attrs["fkv_commit"]
+                == new[f"streams/{name}/points"].attrs["fkv_commit"]
+            ).all()
+
+
+# -- stateful model test ---------------------------------------------------------------------------
+class ArchiveModel(RuleBasedStateMachine):
+    """append / extend / truncate / flush / reopen / read against a plain list."""
+
+    def __init__(self):
+        super().__init__()
+        import tempfile
+
+        self.dir = tempfile.TemporaryDirectory()
+        self.path = Path(self.dir.name) / "m.h5"
+
+    @initialize(
+        geometry=st.sampled_from(["grid", "ring"]),
+        alphabet=st.sampled_from([2, 5, 256, 3000]),
+        width=st.integers(1, 3),
+    )
+    def setup(self, geometry, alphabet, width):
+        self.alphabet, self.width = alphabet, width
+        self.ar = fkvstore.open(self.path, "w")
+        self.s = self.ar.create_stream(
+            "s", alphabet, geometry=geometry, width=width, chunk_bytes=64
+        )
+        self.model: list[list[int]] = []
+
+    @rule(data=st.data())
+    def extend(self, data):
+        n = data.draw(st.integers(0, 40))
+        rows = data.draw(
+            st.lists(
+                st.lists(
+                    st.integers(0, self.alphabet - 1), min_size=self.width, max_size=self.width
+                ),
+                min_size=n,
+                max_size=n,
+            )
+        )
+        self.s.extend(np.array(rows, dtype=np.int64).reshape(n, self.width))
+        self.model.extend(rows)
+
+    @rule(data=st.data())
+    def append(self, data):
+        row = data.draw(
+            st.lists(st.integers(0, self.alphabet - 1), min_size=self.width, max_size=self.width)
+        )
+        self.s.append(row[0] if self.width == 1 else row)
+        self.model.append(row)
+
+    @rule(data=st.data())
+    def truncate(self, data):
+        n = data.draw(st.integers(0, len(self.model)))
+        self.s.truncate(n)
+        del self.model[n:]
+
+    @rule()
+    def flush(self):
+        self.ar.flush()
+
+    @rule()
+    def reopen(self):
+        self.ar.close()
+        self.ar = fkvstore.open(self.path, "a")
+        self.s = self.ar["s"]
+
+    @precondition(lambda self: len(self.model) > 0)
+    @rule(data=st.data())
+    def read_one(self, data):
+        i = data.draw(st.integers(-len(self.model), len(self.model) - 1))
+        got = self.s[i]
+        assert np.atleast_1d(got).tolist() == self.model[i]
+
+    @invariant()
+    def same_content(self):
+        if hasattr(self, "s"):
+            assert len(self.s) == len(self.model)
+            assert self.s[:].tolist() == self.model
+
+    def teardown(self):
+        if hasattr(self, "ar"):
+            self.ar.close()
+            with fkvstore.open(self.path) as ar:
+                assert ar["s"][:].tolist() == self.model
+            assert read_stream_with_h5py(self.path, "s").tolist() == self.model
+        self.dir.cleanup()
+
+
+TestArchiveModel = ArchiveModel.TestCase
+TestArchiveModel.settings = __import__("hypothesis").settings(
+    max_examples=200 if os.environ.get("FKV_DEEP") else 25, stateful_step_count=30, deadline=None
+)

@@ -1,0 +1,129 @@
+"""The ``fkv`` command, run in-process through ``fkvstore.cli.main`` and once as a subprocess."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fkvstore
+from fkvstore import cli, demo
+
+
+@pytest.fixture
+def archive(tmp_path):
+    path = tmp_path / "a.h5"
+    with fkvstore.open(path, "w") as ar:
+        ar.create_stream("kv", 50, width=3).extend(np.arange(60).reshape(20, 3) % 50)
+        ar.create_text_stream("t").extend("héllo wörld")
+        ar.put_array("codebook", np.ones(4))
+    return path
+
+
+def run(argv, stdin: bytes = b"", monkeypatch=None):
+    out = io.BytesIO()
+    wrapper = io.TextIOWrapper(out, encoding="utf-8", write_through=True)
+    monkeypatch.setattr(sys, "stdout", wrapper)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
+    code = cli.main(argv)
+    wrapper.flush()
+    return code, out.getvalue()
+
+
+def test_info(archive, monkeypatch):
+    code, out = run(["info", str(archive)], monkeypatch=monkeypatch)
+    text = out.decode()
+    assert code == 0
+    assert "stream 'kv': symbols, 20 rows x width 3, alphabet 50, grid" in text
+    assert "stream 't': text, 13 rows" in text and "array 'codebook'" in text
+
+
+def test_get(archive, monkeypatch):
+    code, out = run(["get", str(archive), "kv", "2:4"], monkeypatch=monkeypatch)
+    assert code == 0 and out.decode().split("\n")[:2] == ["6 7 8", "9 10 11"]
+    code, out = run(["get", str(archive), "t", "1:3"], monkeypatch=monkeypatch)
+    assert out == "é".encode()
+    code, out = run(["get", str(archive), "kv", "--", "-1:"], monkeypatch=monkeypatch)
+    assert out.decode().strip() == "7 8 9"
+    with pytest.raises(SystemExit, match="bad range"):
+        run(["get", str(archive), "kv", "a:b"], monkeypatch=monkeypatch)
+
+
+def test_append_and_round_trip(archive, monkeypatch):
+    code, _ = run(["append", str(archive), "kv"], b"1 2 3\n\n4 5 6\n", monkeypatch)
+    assert code == 0
+    code, _ = run(["append", str(archive), "t"], " ∞".encode(), monkeypatch)
+    code, _ = run(["append", str(archive), "new", "--alphabet-size", "9"], b"8\n0\n", monkeypatch)
+    with fkvstore.open(archive) as ar:
+        assert ar["kv"][-2:].tolist() == [[1, 2, 3], [4, 5, 6]]
+        assert ar["t"].text() == "héllo wörld ∞"
+        assert ar["new"][:, 0].tolist() == [8, 0]
+    code, out = run(["get", str(archive), "kv", ":"], monkeypatch=monkeypatch)
+    rows = np.loadtxt(io.StringIO(out.decode()), dtype=np.int64)
+    with fkvstore.open(archive) as ar:
+        np.testing.assert_array_equal(rows, ar["kv"][:])
+
+
+def test_append_errors(archive, monkeypatch):
+    with pytest.raises(SystemExit, match="nothing appended.*got 99"):
+        run(["append", str(archive), "kv"], b"1 2 3\n1 2 99\n", monkeypatch)
+    with pytest.raises(SystemExit, match="line 1: 2 value"):
+        run(["append", str(archive), "kv"], b"1 2\n", monkeypatch)
+    with fkvstore.open(archive) as ar:
+        assert len(ar["kv"]) == 20  # nothing appended
+    with pytest.raises(SystemExit, match="not integers"):
+        run(["append", str(archive), "kv"], b"1 x 3\n", monkeypatch)
+    with pytest.raises(SystemExit, match="--alphabet-size"):
+        run(["append", str(archive), "nope"], b"1\n", monkeypatch)
+
+
+def test_verify_ok_and_missing_file(archive, tmp_path, monkeypatch):
+    code, out = run(["verify", "--quiet", str(archive)], monkeypatch=monkeypatch)
+    assert code == 0 and "kv: ok" in out.decode() and "arrays/codebook: ok" in out.decode()
+    code, _ = run(["info", str(tmp_path / "missing.h5")], monkeypatch=monkeypatch)
+    assert code == 2
+
+
+def test_demo_runs_end_to_end(tmp_path, capsys):
+    assert demo.main(["--out", str(tmp_path / "tm.h5"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "all correct" in out and "identical to the text: True" in out
+    assert "zlib level 9" in out and "bit-packing" in out
+    book = demo.load_book()
+    assert book.startswith(b"The Time Machine") and b"*** START" not in book
+    with fkvstore.open(tmp_path / "tm.h5") as ar:
+        assert ar["book"].bytes(0, len(book)) == book
+
+
+def test_console_script_entry(tmp_path, archive):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(__file__).parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run(
+        [sys.executable, "-m", "fkvstore.cli", "get", str(archive), "t", ":"],
+        capture_output=True,
+        env=env,
+    )
+    assert res.returncode == 0 and res.stdout == "héllo wörld".encode()
+
+
+def test_search_command_prints_hits_with_context(tmp_path, capsys):
+    from fkvstore.cli import main
+
+    path = tmp_path / "s.h5"
+    with fkvstore.open(path, "w") as ar:
+        ar.create_text_stream("t").extend("one fish two fish red fish")
+        ar.create_stream("n", alphabet_size=10).extend([1, 2, 3, 1, 2, 9])
+    assert main(["search", str(path), "t", "fish", "--context", "4"]) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines() == ["4:8\tone [fish] two", "13:17\ttwo [fish] red",
+                                    "22:26\tred [fish]"]
+    assert "3 hit(s)" in out.err
+    assert main(["search", str(path), "n", "1,2", "--context", "1"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["0:2\t1 2 3", "3:5\t3 1 2 9"]
+    with pytest.raises(SystemExit, match="integers separated"):
+        main(["search", str(path), "n", "x"])

@@ -1,0 +1,133 @@
+"""The Triton kernels run by Triton's CPU interpreter, against the float32 reference.
+
+``TRITON_INTERPRET=1`` must be set before triton compiles a kernel, and setting it in a process
+would change how every other test module's triton kernels run. So these tests run only in a
+process that has it from the start: ``test_kernels_interpreter.py`` starts one for them, and
+``TRITON_INTERPRET=1 pytest tests/test_kernels_interpreted.py`` runs them directly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 from process start; test_kernels_interpreter.py runs "
+                "this module in such a process", allow_module_level=True)
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from kernels_cases import make_case, relative_error  # noqa: E402
+
+from kernels import _rvq_triton, reference_decode_attention, rvq_decode_attention  # noqa: E402
+from kernels._validate import validate_decode_args  # noqa: E402
+
+TOLERANCE = 1e-2
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _assert_close(out, ref, dtype):
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert not out.isnan().any()
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE, f"relative error {err:.2e}"
+
+
+def check(case, **kwargs):
+    """The public function (variant chosen per problem), then the other kernel variants."""
+    out = rvq_decode_attention(**case, backend="triton", **kwargs)
+    ref = reference_decode_attention(**case, out_dtype=torch.float32)
+    _assert_close(out, ref, case["query"].dtype)
+    problem = validate_decode_args(**case)
+    for variant in _rvq_triton.VARIANTS:
+        if variant != _rvq_triton.choose_variant(problem):
+            other = _rvq_triton.decode(problem, variant=variant,
+                                       num_splits=kwargs.get("num_splits"))
+            _assert_close(other, ref, case["query"].dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2), (3, 1), (20, 1)])
+def test_matches_reference(dtype, q_heads, kv_heads):
+    case = make_case(q_heads=q_heads, kv_heads=kv_heads, dtype=dtype, archived=70,
+                     key_stages=4, value_stages=2, archived_lengths=[70, 33],
+                     recent_lengths=[3, 1])
+    check(case, num_splits=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int16_codes_and_unequal_codebooks(dtype):
+    case = make_case(dtype=dtype, code_dtype=torch.int16, codebook_size=300, archived=50,
+                     key_stages=1, value_stages=3, head_dim=24)
+    check(case, num_splits=2)
+
+
+def test_float32_codebooks():
+    case = make_case(archived=50, q_heads=8, kv_heads=2)
+    case["key_codebooks"] = case["key_codebooks"].float()
+    case["value_codebooks"] = case["value_codebooks"].float()
+    check(case, num_splits=2)
+
+
+def test_archive_only_and_exact_only():
+    check(make_case(sinks=None, recent=None, archived=30))
+    check(make_case(archived=0, sinks=2, recent=5))
+
+
+def test_sequence_with_empty_archive_beside_a_full_one():
+    case = make_case(batch=3, archived=64, archived_lengths=[64, 0, 1], sink_lengths=[2, 0, 1],
+                     recent_lengths=[0, 3, 0])
+    check(case, num_splits=4)
+
+
+def test_split_count_does_not_change_the_result():
+    case = make_case(archived=100, q_heads=2, kv_heads=2)
+    outs = [check(case, num_splits=n).float() for n in (1, 2, 7)]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=2e-3, atol=2e-3)
+
+
+def test_large_scores_do_not_overflow():
+    # scores in the hundreds: a softmax without a running maximum would give inf / NaN
+    case = make_case(archived=40)
+    case["query"] = case["query"] * 40
+    check(case, num_splits=2)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batch=st.integers(1, 3),
+    kv_heads=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 4]),
+    head_dim=st.sampled_from([16, 20, 64]),
+    archived=st.integers(0, 90),
+    sinks=st.integers(0, 3),
+    recent=st.integers(0, 5),
+    key_stages=st.integers(1, 4),
+    value_stages=st.integers(1, 3),
+    codebook_size=st.sampled_from([4, 16, 33]),
+    dtype=st.sampled_from(DTYPES),
+    code_dtype=st.sampled_from([torch.uint8, torch.int16]),
+    splits=st.integers(1, 5),
+    data=st.data(),
+)
+def test_property_matches_reference(batch, kv_heads, group, head_dim, archived, sinks, recent,
+                                    key_stages, value_stages, codebook_size, dtype, code_dtype,
+                                    splits, data):
+    lengths = {
+        name: data.draw(st.lists(st.integers(0, full), min_size=batch, max_size=batch),
+                        label=name)
+        for name, full in (("archived_lengths", archived), ("sink_lengths", sinks),
+                           ("recent_lengths", recent))
+    }
+    assume(all(sum(lengths[n][b] for n in lengths) > 0 for b in range(batch)))
+    case = make_case(batch=batch, q_heads=kv_heads * group, kv_heads=kv_heads,
+                     head_dim=head_dim, archived=archived, key_stages=key_stages,
+                     value_stages=value_stages, codebook_size=codebook_size, sinks=sinks,
+                     recent=recent, dtype=dtype, code_dtype=code_dtype, seed=archived,
+                     **lengths)
+    check(case, num_splits=splits)
