@@ -287,6 +287,7 @@ def _evaluate_config(cfg, quantizer, model, split, args, archive_dir, progress):
         sinks=args.sinks,
         recent=args.recent,
         rows=rows,
+        track_error=True,
     )
     t0 = time.perf_counter()
     nlls = token_nlls(model, split.passage, cache, progress=progress, desc=cfg.name)

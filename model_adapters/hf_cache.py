@@ -37,6 +37,7 @@ class ArchivingLayer(DynamicLayer):
         sinks: int,
         recent: int,
         rows: CodeRows | None,
+        track_error: bool = False,
     ):
         super().__init__()
         self.layer_idx = layer_idx
@@ -44,6 +45,7 @@ class ArchivingLayer(DynamicLayer):
         self.sinks = sinks
         self.recent = recent
         self.rows = rows
+        self.track_error = track_error
         self.archived_until = 0  # positions [sinks, archived_until) hold reconstructions
         # per side (K, V): [squared error, sum of x, sum of x^2, vectors] of archived positions
         self.error_stats = [[0.0, None, 0.0, 0], [0.0, None, 0.0, 0]]
@@ -57,8 +59,9 @@ class ArchivingLayer(DynamicLayer):
         if end > start:
             old_k, old_v = keys[..., start:end, :], values[..., start:end, :]
             kc, kr, vc, vr = self.quantizer.quantize(self.layer_idx, old_k, old_v)
-            self._track_error(0, old_k, kr)
-            self._track_error(1, old_v, vr)
+            if self.track_error:
+                self._track_error(0, old_k, kr)
+                self._track_error(1, old_v, vr)
             if self.quantizer.key_stages:
                 self.keys[..., start:end, :] = kr
             if self.quantizer.value_stages:
@@ -102,6 +105,8 @@ class ArchivingCache(Cache):
         sinks: leading positions kept exact forever (attention sinks).
         recent: most recent positions kept exact.
         rows: collector receiving one row of codes per archived token (None: codes dropped).
+        track_error: accumulate reconstruction errors for :meth:`reconstruction_nmse` (costs a
+            little time per step).
 
     Use as ``model(input_ids, cache=c)`` / ``model.generate(..., cache=c)`` (see
     :func:`cache_kwarg` for the argument name this transformers version expects).
@@ -115,6 +120,7 @@ class ArchivingCache(Cache):
         sinks: int = 4,
         recent: int = 32,
         rows: CodeRows | None = None,
+        track_error: bool = False,
     ):
         shape: KVShape = kv_shape(model_or_config)
         for name, v in (("sinks", sinks), ("recent", recent)):
@@ -137,7 +143,8 @@ class ArchivingCache(Cache):
         self.recent = recent
         self.rows = rows
         layers = [
-            ArchivingLayer(i, quantizer, sinks, recent, rows) for i in range(shape.num_layers)
+            ArchivingLayer(i, quantizer, sinks, recent, rows, track_error)
+            for i in range(shape.num_layers)
         ]
         super().__init__(layers=layers)
 

@@ -29,26 +29,39 @@ def _check_points(points: torch.Tensor, k: int) -> None:
         )
 
 
-def assign(points: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def assign(
+    points: torch.Tensor,
+    centroids: torch.Tensor,
+    c_sq: torch.Tensor | None = None,
+    *,
+    with_dist: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Nearest centroid of every point (squared Euclidean distance, ties to the lowest index).
 
     Args:
         points: ``(groups, n, dim)`` float.
         centroids: ``(groups, k, dim)`` float, same dtype and device.
+        c_sq: ``(groups, k)`` squared centroid norms, if already known.
+        with_dist: also return the squared distances (else None).
 
     Returns:
-        ``(index, sqdist)``: ``(groups, n)`` int64 and ``(groups, n)`` float.
+        ``(index, sqdist)``: ``(groups, n)`` int64 and ``(groups, n)`` float (or None).
     """
-    c_sq = (centroids * centroids).sum(-1)  # (groups, k)
+    if c_sq is None:
+        c_sq = (centroids * centroids).sum(-1)
+    c_t = centroids.transpose(1, 2)
     idx_parts, dist_parts = [], []
     for start in range(0, points.shape[1], _CHUNK):
         x = points[:, start : start + _CHUNK]
         # ||x||^2 is constant per point, so the argmin only needs ||c||^2 - 2 x.c
-        score = torch.baddbmm(c_sq.unsqueeze(1), x, centroids.transpose(1, 2), alpha=-2.0)
+        score = torch.baddbmm(c_sq.unsqueeze(1), x, c_t, alpha=-2.0)
         best, idx = score.min(dim=-1)
         idx_parts.append(idx)
-        dist_parts.append((best + (x * x).sum(-1)).clamp_min_(0.0))
-    return torch.cat(idx_parts, 1), torch.cat(dist_parts, 1)
+        if with_dist:
+            dist_parts.append((best + (x * x).sum(-1)).clamp_min_(0.0))
+    if len(idx_parts) == 1:
+        return idx_parts[0], dist_parts[0] if with_dist else None
+    return torch.cat(idx_parts, 1), torch.cat(dist_parts, 1) if with_dist else None
 
 
 def kmeans_plus_plus(

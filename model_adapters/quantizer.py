@@ -12,7 +12,7 @@ import torch
 
 from model_adapters.adapters import KVShape
 from model_adapters.configs import QuantConfig
-from model_adapters.rvq import code_dtype, decode, encode, train_rvq
+from model_adapters.rvq import centroid_norms, code_dtype, decode, encode, train_rvq
 
 __all__ = ["KVQuantizer", "train_kv_quantizer"]
 
@@ -56,6 +56,11 @@ class KVQuantizer:
             else torch.as_tensor(value_codebooks, dtype=torch.float32)
         )
         self.codebook_size = sizes.pop() if sizes else 0
+        # squared centroid norms, reused by every encode of a step
+        self._norms = [
+            None if b is None else torch.stack([centroid_norms(layer) for layer in b])
+            for b in (self.key_codebooks, self.value_codebooks)
+        ]
 
     @property
     def key_stages(self) -> int:
@@ -95,11 +100,14 @@ class KVQuantizer:
         """
         batch, heads, n, _ = keys.shape
         out = []
-        for books, x in ((self.key_codebooks, keys), (self.value_codebooks, values)):
+        sides = zip(
+            (self.key_codebooks, self.value_codebooks), (keys, values), self._norms, strict=True
+        )
+        for books, x, norms in sides:
             if books is None:
                 out += [torch.zeros(batch, heads, n, 0, dtype=self.code_dtype, device=x.device), x]
             else:
-                out += list(encode(x, books[layer]))
+                out += list(encode(x, books[layer], norms[layer]))
         return tuple(out)
 
     def decode(
@@ -137,12 +145,18 @@ class KVQuantizer:
         return r[..., :sk], r[..., sk:]
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        """Codebooks as named float32 arrays (an exact side is absent)."""
+        """Codebooks as named float32 arrays (an exact side is absent).
+
+        Per-head: ``(num_layers, kv_heads, stages, codebook_size, head_dim)``; pooled codebooks
+        are stored once per layer, ``(num_layers, 1, stages, codebook_size, head_dim)``.
+        """
         out = {}
-        if self.key_codebooks is not None:
-            out["key_codebooks"] = self.key_codebooks.cpu().numpy()
-        if self.value_codebooks is not None:
-            out["value_codebooks"] = self.value_codebooks.cpu().numpy()
+        for name, books in (
+            ("key_codebooks", self.key_codebooks),
+            ("value_codebooks", self.value_codebooks),
+        ):
+            if books is not None:
+                out[name] = (books[:, :1] if self.pooled else books).cpu().numpy()
         return out
 
     @classmethod
@@ -151,8 +165,13 @@ class KVQuantizer:
         unknown = set(arrays) - {"key_codebooks", "value_codebooks"}
         if unknown:
             raise ValueError(f"unknown codebook arrays: {sorted(unknown)}")
-        get = lambda n: None if n not in arrays else torch.from_numpy(np.asarray(arrays[n]))  # noqa: E731
-        return cls(shape, get("key_codebooks"), get("value_codebooks"), pooled=pooled)
+        books = {}
+        for name in ("key_codebooks", "value_codebooks"):
+            b = None if name not in arrays else torch.from_numpy(np.asarray(arrays[name]))
+            if b is not None and pooled and b.dim() == 5 and b.shape[1] == 1:
+                b = b.expand(-1, shape.kv_heads, -1, -1, -1).contiguous()
+            books[name] = b
+        return cls(shape, books["key_codebooks"], books["value_codebooks"], pooled=pooled)
 
     def prefix(self, key_stages: int, value_stages: int) -> KVQuantizer:
         """A quantizer using only the first stages of these codebooks (0 keeps a side exact)."""

@@ -12,7 +12,7 @@ import torch
 
 from model_adapters.kmeans import assign, kmeans
 
-__all__ = ["code_dtype", "decode", "encode", "train_rvq"]
+__all__ = ["centroid_norms", "code_dtype", "decode", "encode", "train_rvq"]
 
 
 def code_dtype(codebook_size: int) -> torch.dtype:
@@ -100,12 +100,16 @@ def train_rvq(
     return books
 
 
-def encode(x: torch.Tensor, codebooks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(
+    x: torch.Tensor, codebooks: torch.Tensor, c_sq: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual-VQ codes and reconstruction of vectors.
 
     Args:
         x: ``(batch, kv_heads, seq, head_dim)`` float (any float dtype; computed in float32).
         codebooks: ``(kv_heads, stages, codebook_size, head_dim)`` float32.
+        c_sq: ``(kv_heads, stages, codebook_size)`` squared centroid norms, if precomputed
+            (:func:`centroid_norms`); saves work when encoding a few vectors at a time.
 
     Returns:
         ``(codes, reconstruction)``: ``(batch, kv_heads, seq, stages)`` in
@@ -121,17 +125,25 @@ def encode(x: torch.Tensor, codebooks: torch.Tensor) -> tuple[torch.Tensor, torc
     batch, _, seq, _ = x.shape
     cb = codebooks.to(device=x.device, dtype=torch.float32)
     residual = x.to(torch.float32).permute(1, 0, 2, 3).reshape(heads, batch * seq, dim)
-    recon = torch.zeros_like(residual)
+    recon = None
     codes = []
     for s in range(stages):
-        idx, _ = assign(residual, cb[:, s])
+        idx, _ = assign(residual, cb[:, s], None if c_sq is None else c_sq[:, s], with_dist=False)
         picked = torch.gather(cb[:, s], 1, idx.unsqueeze(-1).expand(-1, -1, dim))
-        residual = residual - picked
-        recon = recon + picked
+        if s + 1 < stages:
+            residual = residual - picked
+        # 0 + c0 + c1 + ... in the same order as decode, so both give identical floats
+        recon = picked if recon is None else recon + picked
         codes.append(idx)
     codes_t = torch.stack(codes, -1).reshape(heads, batch, seq, stages).permute(1, 0, 2, 3)
     recon = recon.reshape(heads, batch, seq, dim).permute(1, 0, 2, 3)
     return codes_t.to(code_dtype(k)).contiguous(), recon.to(x.dtype).contiguous()
+
+
+def centroid_norms(codebooks: torch.Tensor) -> torch.Tensor:
+    """Squared norms ``(kv_heads, stages, codebook_size)`` float32 of codebook centroids."""
+    cb = codebooks.to(torch.float32)
+    return (cb * cb).sum(-1)
 
 
 def decode(codes: torch.Tensor, codebooks: torch.Tensor, dtype: torch.dtype = torch.float32):

@@ -82,7 +82,7 @@ def test_quantized_logits_match_hand_reference(arch):
     q = random_quantizer(model, key_stages=2, value_stages=1, seed=4)
     ids = torch.randint(2, 100, (1, n), generator=torch.Generator().manual_seed(3))
     rows = CodeRows(shape.num_layers, keep=True)
-    cache = ArchivingCache(model, q, sinks=sinks, recent=recent, rows=rows)
+    cache = ArchivingCache(model, q, sinks=sinks, recent=recent, rows=rows, track_error=True)
     ref_cache = DynamicCache(config=model.config)
     hand_codes = {}  # position -> row, built column by column in the documented order
     originals = {
@@ -145,7 +145,10 @@ def test_keys_only_keeps_values_exact():
     kw = cache_kwarg(model)
     q = random_quantizer(model, key_stages=1, value_stages=0)
     ids = torch.randint(2, 100, (1, 20), generator=torch.Generator().manual_seed(5))
-    exact, arc = DynamicCache(config=model.config), ArchivingCache(model, q, sinks=2, recent=4)
+    exact, arc = (
+        DynamicCache(config=model.config),
+        ArchivingCache(model, q, sinks=2, recent=4, track_error=True),
+    )
     with torch.no_grad():
         for t in range(20):
             model(ids[:, t : t + 1], **{kw: exact})

@@ -157,7 +157,9 @@ def test_cli_end_to_end(tiny_checkpoint, tmp_path, capsys):  # noqa: F811
     assert rows["perhead-k16-s2"]["packed_code_bytes_per_token"] == 2 * 4 * 4 * 4 / 8
     assert rows["perhead-k16-s2"]["codebook_bytes"] == 2 * (2 * 4 * 2 * 16 * 16 * 4)
     assert rows["perhead-k16-s2-keysonly"]["codebook_bytes"] == 2 * 4 * 2 * 16 * 16 * 4
-    assert rows["pooled-k16-s1"]["codebook_bytes"] == 2 * (2 * 4 * 1 * 16 * 16 * 4)
+    assert rows["pooled-k16-s1"]["codebook_bytes"] == 2 * (
+        2 * 1 * 1 * 16 * 16 * 4
+    )  # once per layer
     assert out.with_suffix(".png").stat().st_size > 1000
 
 

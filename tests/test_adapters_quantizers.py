@@ -225,6 +225,18 @@ def test_kv_quantizer_arrays_round_trip_and_rows():
     k_only = q.prefix(1, 0)
     assert k_only.value_codebooks is None and k_only.key_stages == 1
     assert set(k_only.to_arrays()) == {"key_codebooks"}
+    pooled = train_kv_quantizer(
+        keys,
+        values,
+        SHAPE,
+        QuantConfig("p", pooled=True, codebook_size=8, key_stages=1, value_stages=1),
+        iters=3,
+    )
+    stored = pooled.to_arrays()
+    assert stored["key_codebooks"].shape == (2, 1, 1, 8, 4)  # one codebook per layer on disk
+    back = KVQuantizer.from_arrays(SHAPE, stored, pooled=True)
+    assert torch.equal(back.key_codebooks, pooled.key_codebooks)
+    assert back.key_codebooks.shape == (2, 3, 1, 8, 4)
 
 
 def test_kv_quantizer_rejects_codebook_shape_mismatch():
