@@ -191,7 +191,9 @@ def main(argv=None):
     torch.manual_seed(0)
     text = clean_text(Path(args.text).read_text(encoding="utf-8"))
     window = {"sinks": args.sinks, "recent": args.recent}
-    results = {"machine": machine(), "args": vars(args), "models": []}
+    recorded = dict(vars(args), model_dir=[Path(d).name for d in args.model_dir],
+                    text=Path(args.text).name)  # names only: no paths of this machine
+    results = {"machine": machine(), "args": recorded, "models": []}
     for model_dir in args.model_dir:
         model, tok = load(model_dir, DTYPES[args.dtype])
         shape = kv_shape(model)
