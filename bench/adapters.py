@@ -1,0 +1,156 @@
+"""Cost of the archiving cache per decode step, against DynamicCache in the same run.
+
+A randomly initialised model with GPT-2 small's shapes (12 layers, 12 heads, 768 wide) by
+default; codebooks are trained on K/V the model caches over random tokens (training time is
+reported too). Each round prefills both caches with the same tokens, then times the same decode
+steps with each cache, alternating which goes first. Prints a table and writes JSON.
+
+    python bench/adapters.py [--steps 64] [--prefill 512] [--json bench/results/adapters.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+from model_adapters import archive_io  # noqa: E402
+from model_adapters.adapters import kv_shape  # noqa: E402
+from model_adapters.code_rows import CodeRows  # noqa: E402
+from model_adapters.collect import collect_kv  # noqa: E402
+from model_adapters.configs import parse_config  # noqa: E402
+from model_adapters.hf_cache import ArchivingCache, cache_kwarg  # noqa: E402
+from model_adapters.quantizer import train_kv_quantizer  # noqa: E402
+
+
+@torch.no_grad()
+def _decode_seconds(model, cache, prefill, steps) -> float:
+    kw = cache_kwarg(model)
+    model(prefill, use_cache=True, **{kw: cache})
+    start = time.perf_counter()
+    for t in range(steps.shape[1]):
+        model(steps[:, t : t + 1], use_cache=True, **{kw: cache})
+    return (time.perf_counter() - start) / steps.shape[1]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--config", default="hybrid-k256-K4V2", help="quantizer config")
+    p.add_argument("--train-tokens", type=int, default=4096)
+    p.add_argument("--kmeans-iters", type=int, default=10)
+    p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--steps", type=int, default=64, help="decode steps timed per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--recent", type=int, default=32)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--json", default="bench/results/adapters.json")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_embd=args.hidden,
+        n_positions=2048,
+        bos_token_id=50256,
+        eos_token_id=50256,
+    )
+    model = GPT2LMHeadModel(cfg).eval()
+    shape = kv_shape(model)
+    qcfg = parse_config(args.config)
+    gen = torch.Generator().manual_seed(1)
+    train_ids = torch.randint(0, cfg.vocab_size, (args.train_tokens,), generator=gen).tolist()
+    t0 = time.perf_counter()
+    keys, values = collect_kv(model, [train_ids], context=1024)
+    collect_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    quantizer = train_kv_quantizer(keys, values, shape, qcfg, iters=args.kmeans_iters)
+    train_s = time.perf_counter() - t0
+
+    prefill = torch.randint(0, cfg.vocab_size, (1, args.prefill), generator=gen)
+    steps = torch.randint(0, cfg.vocab_size, (1, args.steps), generator=gen)
+    dyn, arc = [], []
+    writes_archive = archive_io.archive_available()
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            order = ("dynamic", "archiving") if r % 2 == 0 else ("archiving", "dynamic")
+            for which in order:
+                if which == "dynamic":
+                    dyn.append(_decode_seconds(model, DynamicCache(config=cfg), prefill, steps))
+                    continue
+                ar = None
+                if writes_archive:
+                    ar, stream = archive_io.open_for_writing(
+                        Path(tmp) / f"round{r}.fkv",
+                        model,
+                        quantizer,
+                        sinks=args.sinks,
+                        recent=args.recent,
+                    )
+                    rows = CodeRows(shape.num_layers, stream.extend)
+                else:
+                    rows = CodeRows(shape.num_layers, None, keep=True)
+                cache = ArchivingCache(
+                    model, quantizer, sinks=args.sinks, recent=args.recent, rows=rows
+                )
+                arc.append(_decode_seconds(model, cache, prefill, steps))
+                if ar is not None:
+                    ar.close()
+    dyn_ms, arc_ms = statistics.median(dyn) * 1e3, statistics.median(arc) * 1e3
+    result = {
+        "model": f"random GPT-2 {args.layers} layers x {args.heads} heads x {args.hidden}",
+        "config": args.config,
+        "sinks": args.sinks,
+        "recent": args.recent,
+        "prefill": args.prefill,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "archive_written": writes_archive,
+        "dynamic_ms_per_step": dyn_ms,
+        "archiving_ms_per_step": arc_ms,
+        "overhead_pct": 100.0 * (arc_ms / dyn_ms - 1.0),
+        "dynamic_ms_all": [x * 1e3 for x in dyn],
+        "archiving_ms_all": [x * 1e3 for x in arc],
+        "train_tokens": args.train_tokens,
+        "kmeans_iters": args.kmeans_iters,
+        "collect_seconds": collect_s,
+        "codebook_train_seconds": train_s,
+        "torch_threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+    }
+    print("| cache | ms / decode step | overhead |")
+    print("|---|---|---|")
+    print(f"| DynamicCache | {dyn_ms:.2f} | – |")
+    what = "archiving (quantize + archive)" if writes_archive else "archiving (quantize, rows)"
+    print(f"| {what} | {arc_ms:.2f} | {result['overhead_pct']:+.1f}% |")
+    print(
+        f"codebook training ({args.config}, {args.train_tokens} tokens, "
+        f"{args.kmeans_iters} iters): {train_s:.1f} s; K/V collection {collect_s:.1f} s"
+    )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The archiving cache for transformers' cache API. The only module that touches transformers
+internals (``cache_utils.Cache`` / ``DynamicLayer`` and the name of the cache argument).
+
+Each layer keeps every position (like ``DynamicLayer``), but only the first ``sinks`` and the last
+``recent`` positions stay exact: after an update, every position that has left that window has
+its K and V overwritten by their residual-VQ reconstruction, and its codes go to a
+:class:`~model_adapters.code_rows.CodeRows` collector (one archive row per token). The query of
+the step that ages a position out already sees its reconstruction.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from model_adapters.adapters import KVShape, kv_shape
+from model_adapters.code_rows import CodeRows
+from model_adapters.quantizer import KVQuantizer
+
+__all__ = ["ArchivingCache", "ArchivingLayer", "cache_kwarg", "output_cache"]
+
+
+class ArchivingLayer(DynamicLayer):
+    """One decoder layer's cache: exact window, reconstructed history, codes collected.
+
+    Keys and values are ``(batch, kv_heads, seq, head_dim)`` in the model's dtype.
+    """
+
+    is_croppable = False
+
+    def __init__(
+        self,
+        layer_idx: int,
+        quantizer: KVQuantizer | None,
+        sinks: int,
+        recent: int,
+        rows: CodeRows | None,
+        track_error: bool = False,
+    ):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.quantizer = quantizer
+        self.sinks = sinks
+        self.recent = recent
+        self.rows = rows
+        self.track_error = track_error
+        self.archived_until = 0  # positions [sinks, archived_until) hold reconstructions
+        # per side (K, V): [squared error, sum of x, sum of x^2, vectors] of archived positions
+        self.error_stats = [[0.0, None, 0.0, 0], [0.0, None, 0.0, 0]]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if self.quantizer is None:
+            return keys, values
+        end = keys.shape[-2] - self.recent
+        start = max(self.archived_until, self.sinks)
+        if end > start:
+            old_k, old_v = keys[..., start:end, :], values[..., start:end, :]
+            kc, kr, vc, vr = self.quantizer.quantize(self.layer_idx, old_k, old_v)
+            if self.track_error:
+                self._track_error(0, old_k, kr)
+                self._track_error(1, old_v, vr)
+            if self.quantizer.key_stages:
+                self.keys[..., start:end, :] = kr
+            if self.quantizer.value_stages:
+                self.values[..., start:end, :] = vr
+            if self.rows is not None:
+                self.rows.add(self.layer_idx, kc, vc)
+            self.archived_until = end
+        return self.keys, self.values
+
+    def _track_error(self, side: int, x: torch.Tensor, recon: torch.Tensor) -> None:
+        x64 = x.detach().double().reshape(-1, x.shape[-1])
+        st = self.error_stats[side]
+        st[0] += float(((recon.double().reshape(-1, x.shape[-1]) - x64) ** 2).sum())
+        st[1] = x64.sum(0) if st[1] is None else st[1] + x64.sum(0)
+        st[2] += float((x64**2).sum())
+        st[3] += x64.shape[0]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        keep = (
+            self.get_seq_length() + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
+        )
+        if keep < self.archived_until:
+            raise ValueError(
+                f"cannot crop layer {self.layer_idx} to {keep} positions: positions up to "
+                f"{self.archived_until} are already archived"
+            )
+        super().crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        if self.archived_until:
+            raise ValueError("an archiving cache cannot be reset after it archived positions")
+        super().reset()
+
+
+class ArchivingCache(Cache):
+    """A transformers ``Cache`` that quantizes and archives positions leaving an exact window.
+
+    Args:
+        model_or_config: the model (or its config): GPT-2 or Qwen3.
+        quantizer: codebooks for every layer; None keeps everything exact (and archives nothing).
+        sinks: leading positions kept exact forever (attention sinks).
+        recent: most recent positions kept exact.
+        rows: collector receiving one row of codes per archived token (None: codes dropped).
+        track_error: accumulate reconstruction errors for :meth:`reconstruction_nmse` (costs a
+            little time per step).
+
+    Use as ``model(input_ids, cache=c)`` / ``model.generate(..., cache=c)`` (see
+    :func:`cache_kwarg` for the argument name this transformers version expects).
+    """
+
+    def __init__(
+        self,
+        model_or_config,
+        quantizer: KVQuantizer | None = None,
+        *,
+        sinks: int = 4,
+        recent: int = 32,
+        rows: CodeRows | None = None,
+        track_error: bool = False,
+    ):
+        shape: KVShape = kv_shape(model_or_config)
+        for name, v in (("sinks", sinks), ("recent", recent)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if quantizer is not None:
+            if quantizer.shape != shape:
+                raise ValueError(
+                    f"quantizer was built for {quantizer.shape}, the model has {shape}"
+                )
+            if quantizer.key_stages == 0 and quantizer.value_stages == 0:
+                quantizer = None
+        if rows is not None and quantizer is not None and rows.num_layers != shape.num_layers:
+            raise ValueError(
+                f"rows collector has {rows.num_layers} layers, model has {shape.num_layers}"
+            )
+        self.shape = shape
+        self.quantizer = quantizer
+        self.sinks = sinks
+        self.recent = recent
+        self.rows = rows
+        layers = [
+            ArchivingLayer(i, quantizer, sinks, recent, rows, track_error)
+            for i in range(shape.num_layers)
+        ]
+        super().__init__(layers=layers)
+
+    @property
+    def archived_tokens(self) -> int:
+        """Positions whose K/V are reconstructions (the same in every layer after a step)."""
+        return min(
+            (layer.archived_until - min(layer.archived_until, self.sinks)) for layer in self.layers
+        )
+
+    def reconstruction_nmse(self) -> dict[str, float | None]:
+        """Squared reconstruction error of the archived keys and values, each over their total
+        variance around the mean (all layers pooled); 0 on an exact side, None before any
+        position was archived."""
+        out = {}
+        for name, side in (("keys", 0), ("values", 1)):
+            err = sum(layer.error_stats[side][0] for layer in self.layers)
+            n = sum(layer.error_stats[side][3] for layer in self.layers)
+            if n == 0:
+                out[name] = None
+                continue
+            var = sum(
+                st[2] - float((st[1] ** 2).sum()) / st[3]
+                for st in (layer.error_stats[side] for layer in self.layers)
+                if st[3]
+            )
+            out[name] = err / var if var > 0 else None
+        return out
+
+
+def cache_kwarg(model) -> str:
+    """Name of the keyword that passes a cache to ``model.forward`` / ``generate``.
+
+    transformers 5.24 takes ``cache=`` (``past_key_values=`` deprecated); earlier 5.x releases
+    take ``past_key_values=``.
+    """
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(outputs):
+    """The cache carried by a model output, whichever attribute name this version uses."""
+    cache = getattr(outputs, "cache", None)
+    return cache if cache is not None else outputs.past_key_values

@@ -1,0 +1,178 @@
+"""Residual vector quantization with one codebook set per KV head.
+
+A codebook set is a float tensor ``(kv_heads, stages, codebook_size, head_dim)``. Stage ``s``
+quantizes what stages ``0..s-1`` left over; a vector's reconstruction is the sum of its stage
+centroids. Pooled codebooks (one per layer shared by all heads) are the same tensor with one
+codebook repeated over ``kv_heads``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_adapters.kmeans import assign, kmeans
+
+__all__ = ["centroid_norms", "code_dtype", "decode", "encode", "train_rvq"]
+
+
+def code_dtype(codebook_size: int) -> torch.dtype:
+    """Smallest integer dtype holding indices ``0..codebook_size-1`` (uint8 up to 256)."""
+    if codebook_size <= 256:
+        return torch.uint8
+    if codebook_size <= 32768:
+        return torch.int16
+    return torch.int32
+
+
+def _check_codebooks(codebooks: torch.Tensor) -> None:
+    if not isinstance(codebooks, torch.Tensor) or codebooks.dim() != 4:
+        got = tuple(codebooks.shape) if isinstance(codebooks, torch.Tensor) else type(codebooks)
+        raise ValueError(
+            f"codebooks must be (kv_heads, stages, codebook_size, head_dim), got {got}"
+        )
+
+
+def train_rvq(
+    vectors: torch.Tensor,
+    *,
+    num_quantizers: int,
+    codebook_size: int,
+    pooled: bool = False,
+    iters: int = 20,
+    seed: int = 0,
+    init_sample: int | None = 16384,
+    max_points: int | None = None,
+    progress=None,
+) -> torch.Tensor:
+    """Train residual-VQ codebooks by k-means, stage after stage on the residuals.
+
+    Stages are trained greedily, so the first ``s`` stages of a deeper codebook set are exactly
+    the codebooks an ``s``-stage training with the same seed produces.
+
+    Args:
+        vectors: ``(n, kv_heads, head_dim)`` float training vectors of one layer and one of K/V.
+        num_quantizers: residual stages (>= 1).
+        codebook_size: centroids per stage.
+        pooled: one codebook per stage shared by all heads (trained on all heads' vectors).
+        iters, seed, init_sample: passed to :func:`model_adapters.kmeans.kmeans`; stage ``s``
+            uses ``seed + s``.
+        max_points: train each codebook on at most this many vectors (a random subset drawn
+            with ``seed``; None: all), so a pooled codebook can see as much data as a per-head one.
+        progress: optional callable, called once per finished stage.
+
+    Returns:
+        ``(kv_heads, num_quantizers, codebook_size, head_dim)`` codebooks, float32.
+    """
+    if not isinstance(vectors, torch.Tensor) or vectors.dim() != 3:
+        got = tuple(vectors.shape) if isinstance(vectors, torch.Tensor) else type(vectors)
+        raise ValueError(f"vectors must be (n, kv_heads, head_dim), got {got}")
+    if (
+        isinstance(num_quantizers, bool)
+        or not isinstance(num_quantizers, int)
+        or num_quantizers < 1
+    ):
+        raise ValueError(f"num_quantizers must be a positive int, got {num_quantizers!r}")
+    n, heads, dim = vectors.shape
+    x = vectors.to(torch.float32)
+    # groups: one per head, or a single pooled group of all heads' vectors
+    points = x.reshape(1, n * heads, dim) if pooled else x.permute(1, 0, 2).contiguous()
+    if max_points is not None and points.shape[1] > max_points:
+        gen = torch.Generator(device=points.device).manual_seed(int(seed))
+        pick = torch.stack(
+            [
+                torch.randperm(points.shape[1], generator=gen, device=points.device)[:max_points]
+                for _ in range(points.shape[0])
+            ]
+        )
+        points = torch.gather(points, 1, pick.unsqueeze(-1).expand(-1, -1, dim))
+    stages = []
+    residual = points
+    for s in range(num_quantizers):
+        cb = kmeans(residual, codebook_size, iters=iters, seed=seed + s, init_sample=init_sample)
+        idx, _ = assign(residual, cb)
+        residual = residual - torch.gather(cb, 1, idx.unsqueeze(-1).expand(-1, -1, dim))
+        stages.append(cb)
+        if progress is not None:
+            progress(s)
+    books = torch.stack(stages, 1)  # (groups, stages, k, dim)
+    if pooled:
+        books = books.expand(heads, -1, -1, -1).contiguous()
+    return books
+
+
+def encode(
+    x: torch.Tensor, codebooks: torch.Tensor, c_sq: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual-VQ codes and reconstruction of vectors.
+
+    Args:
+        x: ``(batch, kv_heads, seq, head_dim)`` float (any float dtype; computed in float32).
+        codebooks: ``(kv_heads, stages, codebook_size, head_dim)`` float32.
+        c_sq: ``(kv_heads, stages, codebook_size)`` squared centroid norms, if precomputed
+            (:func:`centroid_norms`); saves work when encoding a few vectors at a time.
+
+    Returns:
+        ``(codes, reconstruction)``: ``(batch, kv_heads, seq, stages)`` in
+        :func:`code_dtype` and ``(batch, kv_heads, seq, head_dim)`` in ``x``'s dtype.
+    """
+    _check_codebooks(codebooks)
+    heads, stages, k, dim = codebooks.shape
+    if x.dim() != 4 or x.shape[1] != heads or x.shape[3] != dim:
+        raise ValueError(
+            f"x must be (batch, {heads}, seq, {dim}) to match codebooks {tuple(codebooks.shape)}, "
+            f"got {tuple(x.shape)}"
+        )
+    batch, _, seq, _ = x.shape
+    cb = codebooks.to(device=x.device, dtype=torch.float32)
+    residual = x.to(torch.float32).permute(1, 0, 2, 3).reshape(heads, batch * seq, dim)
+    recon = None
+    codes = []
+    for s in range(stages):
+        idx, _ = assign(residual, cb[:, s], None if c_sq is None else c_sq[:, s], with_dist=False)
+        picked = torch.gather(cb[:, s], 1, idx.unsqueeze(-1).expand(-1, -1, dim))
+        if s + 1 < stages:
+            residual = residual - picked
+        # 0 + c0 + c1 + ... in the same order as decode, so both give identical floats
+        recon = picked if recon is None else recon + picked
+        codes.append(idx)
+    codes_t = torch.stack(codes, -1).reshape(heads, batch, seq, stages).permute(1, 0, 2, 3)
+    recon = recon.reshape(heads, batch, seq, dim).permute(1, 0, 2, 3)
+    return codes_t.to(code_dtype(k)).contiguous(), recon.to(x.dtype).contiguous()
+
+
+def centroid_norms(codebooks: torch.Tensor) -> torch.Tensor:
+    """Squared norms ``(kv_heads, stages, codebook_size)`` float32 of codebook centroids."""
+    cb = codebooks.to(torch.float32)
+    return (cb * cb).sum(-1)
+
+
+def decode(codes: torch.Tensor, codebooks: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """Vectors from residual-VQ codes.
+
+    Args:
+        codes: ``(batch, kv_heads, seq, stages)`` integer, values below ``codebook_size``.
+        codebooks: ``(kv_heads, stages, codebook_size, head_dim)`` float.
+        dtype: dtype of the result.
+
+    Returns:
+        ``(batch, kv_heads, seq, head_dim)``: the sum over stages of the chosen centroids.
+    """
+    _check_codebooks(codebooks)
+    heads, stages, k, dim = codebooks.shape
+    if codes.dim() != 4 or codes.shape[1] != heads or codes.shape[3] != stages:
+        raise ValueError(
+            f"codes must be (batch, {heads}, seq, {stages}) to match codebooks "
+            f"{tuple(codebooks.shape)}, got {tuple(codes.shape)}"
+        )
+    idx = codes.to(torch.int64)
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= k):
+        raise ValueError(
+            f"codes must lie in [0, {k}), got range [{int(idx.min())}, {int(idx.max())}]"
+        )
+    batch, _, seq, _ = codes.shape
+    cb = codebooks.to(device=codes.device, dtype=torch.float32)
+    out = torch.zeros(heads, batch * seq, dim, device=codes.device)
+    flat = idx.permute(1, 0, 2, 3).reshape(heads, batch * seq, stages)
+    for s in range(stages):
+        out += torch.gather(cb[:, s], 1, flat[..., s].unsqueeze(-1).expand(-1, -1, dim))
+    return out.reshape(heads, batch, seq, dim).permute(1, 0, 2, 3).to(dtype).contiguous()

@@ -1,0 +1,210 @@
+"""Codes written to a real fkvstore archive (HDF5) and read back."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from adapters_fixtures import TINY_MODELS, random_quantizer, tiny_checkpoint, torch  # noqa: F401
+
+from model_adapters import archive_io
+from model_adapters import eval as adapters_eval
+from model_adapters.adapters import kv_shape
+from model_adapters.code_rows import CodeRows
+from model_adapters.hf_cache import ArchivingCache, cache_kwarg
+
+h5py = pytest.importorskip("h5py")
+pytestmark = pytest.mark.skipif(
+    not archive_io.archive_available(), reason="this fkvstore has no persistent archive"
+)
+if archive_io.archive_available():
+    import fkvstore
+
+
+def _archive_run(model, path, n=30, sinks=2, recent=5):
+    q = random_quantizer(model, key_stages=2, value_stages=1, seed=7)
+    ar, stream = archive_io.open_for_writing(path, model, q, sinks=sinks, recent=recent)
+    rows = CodeRows(kv_shape(model).num_layers, stream.extend, keep=True)
+    cache = ArchivingCache(model, q, sinks=sinks, recent=recent, rows=rows)
+    ids = torch.randint(2, 100, (1, n), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        for t in range(n):
+            model(ids[:, t : t + 1], **{cache_kwarg(model): cache})
+    archive_io.write_window(ar, cache)
+    ar.close()
+    return q, rows.all_rows(), cache
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_codes_read_back_equal_codes_produced(arch, tmp_path):
+    model = TINY_MODELS[arch]()
+    path = tmp_path / "codes.fkv"
+    q, produced, cache = _archive_run(model, path)
+    assert h5py.is_hdf5(path)
+    with fkvstore.open(path, "r") as ar:
+        stored = archive_io.read_codes(ar)
+        back = archive_io.read_quantizer(ar, model)
+        window_k = ar.get_array("window_keys")
+        stream = ar[archive_io.CODES_STREAM]
+        assert archive_io.stream_data_bytes(stream) > 0
+    assert produced.shape == (30 - 2 - 5, q.row_width)
+    np.testing.assert_array_equal(stored, produced)
+    assert torch.equal(back.key_codebooks, q.key_codebooks)
+    assert torch.equal(back.value_codebooks, q.value_codebooks)
+    # the archive alone rebuilds what the cache attends to at the archived positions
+    kc, vc = back.rows_to_codes(stored)
+    for li, layer in enumerate(cache.layers):
+        k, v = back.decode(li, torch.from_numpy(kc[li])[None], torch.from_numpy(vc[li])[None])
+        assert torch.equal(k[0], layer.keys[0, :, 2:25])
+        assert torch.equal(v[0], layer.values[0, :, 2:25])
+    shape = kv_shape(model)
+    assert window_k.shape == (shape.num_layers, shape.kv_heads, 2 + 5, shape.head_dim)
+    assert window_k.dtype == np.float16
+
+
+def test_archive_from_another_model_config_is_refused(tmp_path):
+    path = tmp_path / "gpt2.fkv"
+    _archive_run(TINY_MODELS["gpt2"](), path, n=12)
+    with fkvstore.open(path, "r") as ar:
+        for other in (TINY_MODELS["qwen3"](), TINY_MODELS["gpt2"](vocab_size=102)):
+            with pytest.raises(ValueError, match="another model configuration"):
+                archive_io.read_quantizer(ar, other)
+        archive_io.check_identity(ar, TINY_MODELS["gpt2"](seed=3))  # same config, other weights
+
+
+def test_cli_writes_real_archives(tiny_checkpoint, tmp_path):  # noqa: F811
+    model_dir, book = tiny_checkpoint
+    out, adir = tmp_path / "res.json", tmp_path / "archives"
+    rc = adapters_eval.main(
+        [
+            "--model",
+            str(model_dir),
+            "--text",
+            str(book),
+            "--tokens",
+            "64",
+            "--train-tokens",
+            "600",
+            "--config",
+            "perhead-k16-s2",
+            "--config",
+            "perhead-k16-s1-valuesonly",
+            "--sinks",
+            "2",
+            "--recent",
+            "8",
+            "--kmeans-iters",
+            "3",
+            "--json",
+            str(out),
+            "--archive-dir",
+            str(adir),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["configs"]}
+    fp16 = 2 * 4 * 16 * 2 * 2
+    for name, width in (("perhead-k16-s2", 2 * 4 * 4), ("perhead-k16-s1-valuesonly", 2 * 4)):
+        r = rows[name]
+        path = adir / r["archive"]
+        assert h5py.is_hdf5(path) and path.stat().st_size == r["archive_file_bytes"]
+        with fkvstore.open(path, "r") as ar:
+            stream = ar[archive_io.CODES_STREAM]
+            assert len(stream) == r["archived_tokens"] == 53 and stream.width == width
+            code_bytes = archive_io.stream_data_bytes(stream)
+        assert r["code_bytes_per_token"] == pytest.approx(code_bytes / 53)
+        total = code_bytes + r["window_bytes"] + r["codebook_bytes"]
+        assert r["bytes_per_token"] == pytest.approx(total / 64)
+        assert r["compression_vs_fp16"] == pytest.approx(fp16 / r["code_bytes_per_token"])
+        assert r["compression_vs_fp16_total"] == pytest.approx(fp16 / r["bytes_per_token"])
+
+
+def test_cli_reuses_codebooks_from_an_archive_and_refuses_another_models(
+    tiny_checkpoint,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    model_dir, book = tiny_checkpoint
+    common = ["--text", str(book), "--tokens", "40", "--train-tokens", "300", "--sinks", "1"]
+    common += ["--recent", "4", "--kmeans-iters", "2", "--no-progress"]
+    adir = tmp_path / "archives"
+    first = tmp_path / "a.json"
+    assert (
+        adapters_eval.main(
+            [
+                "--model",
+                str(model_dir),
+                *common,
+                "--config",
+                "perhead-k8-K2V1",
+                "--archive-dir",
+                str(adir),
+                "--json",
+                str(first),
+            ]
+        )
+        == 0
+    )
+    archive = adir / "perhead-k8-K2V1.fkv"
+    second = tmp_path / "b.json"
+    assert (
+        adapters_eval.main(
+            [
+                "--model",
+                str(model_dir),
+                *common,
+                "--config",
+                "perhead-k8-K1V1",
+                "--config",
+                "perhead-k8-K2V1",
+                "--codebooks-from",
+                str(archive),
+                "--json",
+                str(second),
+            ]
+        )
+        == 0
+    )
+    a = {r["config"]: r for r in json.loads(first.read_text())["configs"]}
+    b = json.loads(second.read_text())
+    assert b["train_seconds"] is None
+    assert {r["config"]: r for r in b["configs"]}["perhead-k8-K2V1"]["ppl"] == a["perhead-k8-K2V1"][
+        "ppl"
+    ]
+    with pytest.raises(SystemExit):
+        adapters_eval.main(["--model", str(model_dir), "--codebooks-from"])
+    # a config deeper than the stored codebooks, and a different model configuration: both
+    # refused from the archive's attributes, before weights are loaded
+    assert (
+        adapters_eval.main(
+            [
+                "--model",
+                str(model_dir),
+                *common,
+                "--config",
+                "perhead-k8-K3V1",
+                "--codebooks-from",
+                str(archive),
+            ]
+        )
+        == 2
+    )
+    other = tmp_path / "qwen3"
+    TINY_MODELS["qwen3"](vocab_size=50257).save_pretrained(other)
+    assert (
+        adapters_eval.main(
+            [
+                "--model",
+                str(other),
+                *common,
+                "--config",
+                "perhead-k8-K2V1",
+                "--codebooks-from",
+                str(archive),
+            ]
+        )
+        == 2
+    )
+    assert "another model configuration" in capsys.readouterr().err

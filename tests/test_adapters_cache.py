@@ -1,0 +1,214 @@
+"""The archiving cache on tiny random GPT-2 and Qwen3 models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from adapters_fixtures import TINY_MODELS, random_quantizer, torch
+
+from model_adapters.adapters import config_fingerprint, kv_shape
+from model_adapters.code_rows import CodeRows
+from model_adapters.hf_cache import ArchivingCache, cache_kwarg, output_cache
+
+DynamicCache = pytest.importorskip("transformers").DynamicCache
+
+
+def _hand_quantize(x: torch.Tensor, books: torch.Tensor):
+    """Residual VQ of one (head_dim,) vector with (stages, k, head_dim) books, by explicit loops."""
+    residual = x.clone()
+    recon = torch.zeros_like(x)
+    codes = []
+    for stage in books:
+        dists = [float(((residual - c) ** 2).sum()) for c in stage]
+        j = min(range(len(dists)), key=lambda i: (dists[i], i))
+        codes.append(j)
+        residual = residual - stage[j]
+        recon = recon + stage[j]
+    return codes, recon
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_full_window_reproduces_dynamic_cache_forward(arch):
+    model = TINY_MODELS[arch]()
+    kw = cache_kwarg(model)
+    ids = torch.randint(2, 100, (2, 24), generator=torch.Generator().manual_seed(1))
+    q = random_quantizer(model)  # present, but the window covers everything
+    with torch.no_grad():
+        ref_cache, arc_cache = (
+            DynamicCache(config=model.config),
+            ArchivingCache(model, q, sinks=4, recent=64),
+        )
+        ref = [model(ids[:, :10], **{kw: ref_cache}).logits]
+        got = [model(ids[:, :10], **{kw: arc_cache}).logits]
+        for t in range(10, 24):  # then token by token
+            ref.append(model(ids[:, t : t + 1], **{kw: ref_cache}).logits)
+            got.append(model(ids[:, t : t + 1], **{kw: arc_cache}).logits)
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+    assert arc_cache.archived_tokens == 0
+    assert arc_cache.reconstruction_nmse() == {"keys": None, "values": None}
+    assert arc_cache.get_seq_length() == 24
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_full_window_reproduces_dynamic_cache_generate(arch):
+    model = TINY_MODELS[arch]()
+    kw = cache_kwarg(model)
+    ids = torch.randint(2, 100, (1, 12), generator=torch.Generator().manual_seed(2))
+    rows = CodeRows(kv_shape(model).num_layers, keep=True)
+    cache = ArchivingCache(model, random_quantizer(model), sinks=4, recent=40, rows=rows)
+    with torch.no_grad():
+        settings = dict(
+            max_new_tokens=20,
+            min_new_tokens=20,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        ref = model.generate(ids, **settings, **{kw: DynamicCache(config=model.config)})
+        got = model.generate(ids, **settings, **{kw: cache})
+    assert torch.equal(ref.sequences, got.sequences)
+    for a, b in zip(ref.scores, got.scores, strict=True):
+        assert torch.equal(a, b)
+    assert rows.emitted == 0
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_quantized_logits_match_hand_reference(arch):
+    model = TINY_MODELS[arch]()
+    kw = cache_kwarg(model)
+    shape = kv_shape(model)
+    sinks, recent, n = 3, 5, 26
+    q = random_quantizer(model, key_stages=2, value_stages=1, seed=4)
+    ids = torch.randint(2, 100, (1, n), generator=torch.Generator().manual_seed(3))
+    rows = CodeRows(shape.num_layers, keep=True)
+    cache = ArchivingCache(model, q, sinks=sinks, recent=recent, rows=rows, track_error=True)
+    ref_cache = DynamicCache(config=model.config)
+    hand_codes = {}  # position -> row, built column by column in the documented order
+    originals = {
+        "keys": [[] for _ in range(shape.num_layers)],
+        "values": [[] for _ in range(shape.num_layers)],
+    }
+    sq_err = {"keys": 0.0, "values": 0.0}
+    replaced = sinks
+    with torch.no_grad():
+        for t in range(n):
+            # the step that brings the cache to t + 1 positions ages out [sinks, t + 1 - recent)
+            upto = t + 1 - recent
+            for p in range(replaced, max(upto, replaced)):
+                row = []
+                for li, layer in enumerate(ref_cache.layers):
+                    for h in range(shape.kv_heads):
+                        kx, vx = layer.keys[0, h, p].clone(), layer.values[0, h, p].clone()
+                        kc, kr = _hand_quantize(kx, q.key_codebooks[li, h])
+                        vc, vr = _hand_quantize(vx, q.value_codebooks[li, h])
+                        originals["keys"][li].append(kx.double())
+                        originals["values"][li].append(vx.double())
+                        sq_err["keys"] += float(((kr.double() - kx.double()) ** 2).sum())
+                        sq_err["values"] += float(((vr.double() - vx.double()) ** 2).sum())
+                        layer.keys[0, h, p] = kr
+                        layer.values[0, h, p] = vr
+                        row += kc + vc
+                hand_codes[p] = row
+            replaced = max(replaced, upto)
+            want = model(ids[:, t : t + 1], **{kw: ref_cache}).logits
+            got = model(ids[:, t : t + 1], **{kw: cache}).logits
+            # the newest position is never aged out in the same step (recent >= 1), so the
+            # reference can replace positions before the step that needs them replaced
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    produced = rows.all_rows()
+    # error over variance around each layer's mean vector, all layers pooled
+    for side in ("keys", "values"):
+        var = sum(
+            float(((torch.stack(xs) - torch.stack(xs).mean(0)) ** 2).sum())
+            for xs in originals[side]
+        )
+        assert cache.reconstruction_nmse()[side] == pytest.approx(sq_err[side] / var, rel=1e-6)
+    assert produced.shape == (n - recent - sinks, q.row_width)
+    want_rows = np.array([hand_codes[p] for p in range(sinks, n - recent)])
+    np.testing.assert_array_equal(produced, want_rows)
+    assert cache.archived_tokens == n - recent - sinks
+    # what the archive would hold decodes back to what the cache attends to
+    kcodes, vcodes = q.rows_to_codes(produced)
+    for li in range(shape.num_layers):
+        k, v = q.decode(li, torch.from_numpy(kcodes[li])[None], torch.from_numpy(vcodes[li])[None])
+        torch.testing.assert_close(
+            k[0], cache.layers[li].keys[0, :, sinks : n - recent], rtol=0, atol=0
+        )
+        torch.testing.assert_close(
+            v[0], cache.layers[li].values[0, :, sinks : n - recent], rtol=0, atol=0
+        )
+
+
+def test_keys_only_keeps_values_exact():
+    model = TINY_MODELS["gpt2"]()
+    kw = cache_kwarg(model)
+    q = random_quantizer(model, key_stages=1, value_stages=0)
+    ids = torch.randint(2, 100, (1, 20), generator=torch.Generator().manual_seed(5))
+    exact, arc = (
+        DynamicCache(config=model.config),
+        ArchivingCache(model, q, sinks=2, recent=4, track_error=True),
+    )
+    with torch.no_grad():
+        for t in range(20):
+            model(ids[:, t : t + 1], **{kw: exact})
+            model(ids[:, t : t + 1], **{kw: arc})
+    # layer 0 sees the same inputs either way (later layers see outputs of quantized attention)
+    le, la = exact.layers[0], arc.layers[0]
+    assert torch.equal(le.values, la.values)
+    assert not torch.equal(le.keys[..., 2:16, :], la.keys[..., 2:16, :])
+    assert torch.equal(le.keys[..., 16:, :], la.keys[..., 16:, :])  # recent window exact
+    assert torch.equal(le.keys[..., :2, :], la.keys[..., :2, :])  # sinks exact
+    nmse = arc.reconstruction_nmse()
+    assert nmse["values"] == 0.0 and nmse["keys"] > 0.0
+
+
+def test_prefill_ages_out_relative_to_chunk_end():
+    model = TINY_MODELS["qwen3"]()
+    kw = cache_kwarg(model)
+    rows = CodeRows(2, keep=True)
+    cache = ArchivingCache(model, random_quantizer(model), sinks=4, recent=8, rows=rows)
+    with torch.no_grad():
+        out = model(torch.arange(2, 32)[None], **{kw: cache})
+    assert output_cache(out) is cache
+    assert cache.archived_tokens == 30 - 4 - 8 and rows.emitted == 18
+
+
+def test_archiving_needs_batch_one():
+    model = TINY_MODELS["gpt2"]()
+    cache = ArchivingCache(
+        model, random_quantizer(model), sinks=1, recent=2, rows=CodeRows(2, keep=True)
+    )
+    with pytest.raises(ValueError, match="batch size 1"), torch.no_grad():
+        model(torch.ones(2, 8, dtype=torch.long), **{cache_kwarg(model): cache})
+
+
+def test_crop_refuses_archived_positions():
+    model = TINY_MODELS["gpt2"]()
+    cache = ArchivingCache(model, random_quantizer(model), sinks=1, recent=2)
+    with torch.no_grad():
+        model(torch.ones(1, 8, dtype=torch.long), **{cache_kwarg(model): cache})
+    with pytest.raises(ValueError, match="already archived"):
+        cache.crop(3)
+
+
+def test_cache_rejects_bad_arguments():
+    gpt2, qwen3 = TINY_MODELS["gpt2"](), TINY_MODELS["qwen3"]()
+    with pytest.raises(ValueError, match="recent must be a non-negative int, got -1"):
+        ArchivingCache(gpt2, None, recent=-1)
+    with pytest.raises(ValueError, match="quantizer was built for"):
+        ArchivingCache(qwen3, random_quantizer(gpt2))
+    bert = pytest.importorskip("transformers").BertConfig()
+    with pytest.raises(ValueError, match="model_type 'bert' is not supported"):
+        ArchivingCache(bert)
+
+
+def test_shapes_and_fingerprints():
+    gpt2, qwen3 = TINY_MODELS["gpt2"](), TINY_MODELS["qwen3"]()
+    g, q = kv_shape(gpt2), kv_shape(qwen3)
+    assert (g.num_layers, g.kv_heads, g.head_dim, g.rope) == (2, 4, 16, False)
+    assert (q.num_layers, q.kv_heads, q.head_dim, q.rope) == (2, 2, 16, True)
+    assert g.fp16_bytes_per_token == 2 * 4 * 16 * 2 * 2
+    assert config_fingerprint(gpt2) == config_fingerprint(TINY_MODELS["gpt2"](seed=9))
+    assert config_fingerprint(gpt2) != config_fingerprint(TINY_MODELS["gpt2"](vocab_size=102))
+    assert config_fingerprint(gpt2) != config_fingerprint(qwen3)
