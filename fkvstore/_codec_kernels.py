@@ -124,10 +124,11 @@ def grid_walk(symbols, px, py, bits, alphabet_size, out):
 
 # --------------------------------------------------------------------------------------- ring
 @njit(cache=True, nogil=True)
-def ring_encode(symbols, init, init_count, span, ax, ay, ratio, out):
-    """Encode with p <- A(c) + r p, A(c) = (1 - r) V(c); the first span continues ``init``."""
+def ring_encode(symbols, init, init_count, span, centres, ratio, out):
+    """Encode with p <- A(c) + r p, A(c) = (1 - r) V(c) = ``centres[c]``; the first span
+    continues ``init``. ``centres (N, 2)``: x and y side by side, one cache line per look-up."""
     n, width = symbols.shape
-    alphabet_size = ax.shape[0]
+    alphabet_size = centres.shape[0]
     pos = 0
     s = 0
     filled = init_count
@@ -140,8 +141,8 @@ def ring_encode(symbols, init, init_count, span, ax, ay, ratio, out):
                 c = np.int64(symbols[pos + i, w])
                 if c < 0 or c >= alphabet_size:
                     return (pos + i) * width + w
-                px = ax[c] + ratio * px
-                py = ay[c] + ratio * py
+                px = centres[c, 0] + ratio * px
+                py = centres[c, 1] + ratio * py
             out[s, w, 0] = px
             out[s, w, 1] = py
         pos += cnt
@@ -151,7 +152,7 @@ def ring_encode(symbols, init, init_count, span, ax, ay, ratio, out):
 
 
 @njit(cache=True, nogil=True)
-def ring_decode(points, first_span, length, start, stop, span, ax, ay, inv_ratio,
+def ring_decode(points, first_span, length, start, stop, span, centres, inv_ratio,
                 radius2, origin_tol2, out):
     """Decode positions ``[start, stop)`` by walking each span backward to its origin.
 
@@ -160,7 +161,7 @@ def ring_decode(points, first_span, length, start, stop, span, ax, ay, inv_ratio
     of the origin, so a damaged point raises instead of decoding to wrong symbols.
     """
     width = points.shape[1]
-    alphabet_size = ax.shape[0]
+    alphabet_size = centres.shape[0]
     per_radian = alphabet_size / (2.0 * math.pi)
     s = start // span
     while s * span < stop:
@@ -182,8 +183,8 @@ def ring_decode(points, first_span, length, start, stop, span, ax, ay, inv_ratio
                     k -= alphabet_size
                 if i < hi and i >= lo:
                     out[base + i - start, w] = k
-                px = (px - ax[k]) * inv_ratio
-                py = (py - ay[k]) * inv_ratio
+                px = (px - centres[k, 0]) * inv_ratio
+                py = (py - centres[k, 1]) * inv_ratio
             if not (px * px + py * py <= origin_tol2[cnt]):
                 return s * 8 + BAD_ORIGIN
         s += 1
@@ -191,15 +192,15 @@ def ring_decode(points, first_span, length, start, stop, span, ax, ay, inv_ratio
 
 
 @njit(cache=True, nogil=True)
-def ring_walk(symbols, px, py, ax, ay, ratio, out):
+def ring_walk(symbols, px, py, centres, ratio, out):
     """Continuous walk p <- A(c) + r p from ``(px, py)``, never restarted: ``out (n, 2)``."""
-    alphabet_size = ax.shape[0]
+    alphabet_size = centres.shape[0]
     for i in range(symbols.shape[0]):
         c = np.int64(symbols[i])
         if c < 0 or c >= alphabet_size:
             return i
-        px = ax[c] + ratio * px
-        py = ay[c] + ratio * py
+        px = centres[c, 0] + ratio * px
+        py = centres[c, 1] + ratio * py
         out[i, 0] = px
         out[i, 1] = py
     return -1

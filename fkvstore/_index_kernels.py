@@ -16,7 +16,7 @@ def common_suffix(points, length, cands, query, ring, grid_args, ring_args, out)
     span by span backward. ``ring`` picks the geometry; the other one's args are unused.
     Returns -1, or the codec's error code for a span that does not decode."""
     span, bits, alphabet_size = grid_args
-    ax, ay, inv_ratio, radius2, origin_tol2 = ring_args
+    centres, inv_ratio, radius2, origin_tol2 = ring_args
     ql = query.shape[0]
     scratch = np.empty((span, 1), dtype=np.int64)
     for t in range(cands.shape[0]):
@@ -25,7 +25,7 @@ def common_suffix(points, length, cands, query, ring, grid_args, ring_args, out)
         while matched < ql and cur >= 0:
             base = (cur // span) * span
             if ring:
-                err = ring_decode(points, 0, length, base, cur + 1, span, ax, ay, inv_ratio,
+                err = ring_decode(points, 0, length, base, cur + 1, span, centres, inv_ratio,
                                   radius2, origin_tol2, scratch)
             else:
                 err = grid_decode(points, 0, length, base, cur + 1, span, bits, alphabet_size,

@@ -78,15 +78,14 @@ def _ring_max_span(alphabet_size: int, ratio: float) -> int:
 
 
 @lru_cache(maxsize=16)
-def _ring_tables(alphabet_size: int, ratio: float) -> tuple[np.ndarray, np.ndarray]:
+def _ring_centres(alphabet_size: int, ratio: float) -> np.ndarray:
+    """A(c) = (1 - r) V(c) for every symbol: float64 ``(N, 2)``, read-only."""
     # math.cos/sin (the C library), so the documented definition is the whole recipe
     scale = 1.0 - ratio
     angles = [2.0 * math.pi * c / alphabet_size for c in range(alphabet_size)]
-    ax = np.array([scale * math.cos(t) for t in angles])
-    ay = np.array([scale * math.sin(t) for t in angles])
-    ax.flags.writeable = False
-    ay.flags.writeable = False
-    return ax, ay
+    centres = np.array([(scale * math.cos(t), scale * math.sin(t)) for t in angles])
+    centres.flags.writeable = False
+    return centres
 
 
 class Codec:
@@ -111,7 +110,7 @@ class Codec:
     """
 
     __slots__ = ("_alphabet_size", "_geometry", "_ratio", "_span", "_max_span", "_bits",
-                 "_ax", "_ay", "_inv_ratio", "_radius2", "_origin_tol2")
+                 "_centres", "_inv_ratio", "_radius2", "_origin_tol2")
 
     def __init__(self, alphabet_size: int, geometry: str = "grid", ratio: float | None = None,
                  span: int | None = None) -> None:
@@ -157,7 +156,7 @@ class Codec:
                 raise ValueError(f"span must be <= {self._max_span} (the most the float64 error "
                                  f"bound allows for this codec), got {span}")
         if geometry == "ring":
-            self._ax, self._ay = _ring_tables(n, self._ratio)
+            self._centres = _ring_centres(n, self._ratio)
             self._inv_ratio = 1.0 / self._ratio
             bounds = [RING_ERROR / self._ratio**c for c in range(self._span + 1)]
             self._radius2 = (1.0 + bounds[-1]) ** 2
@@ -273,7 +272,7 @@ class Codec:
             bad = _k.grid_encode(sym2, init, tail_count, self._span, self._bits,
                                  self._alphabet_size, out)
         else:
-            bad = _k.ring_encode(sym2, init, tail_count, self._span, self._ax, self._ay,
+            bad = _k.ring_encode(sym2, init, tail_count, self._span, self._centres,
                                  self._ratio, out)
         if bad >= 0:
             raise_out_of_range(arr, self._alphabet_size)
@@ -325,7 +324,7 @@ class Codec:
         if self._geometry == "grid":
             bad = _k.grid_walk(arr, origin[0], origin[1], self._bits, self._alphabet_size, out)
         else:
-            bad = _k.ring_walk(arr, origin[0], origin[1], self._ax, self._ay, self._ratio, out)
+            bad = _k.ring_walk(arr, origin[0], origin[1], self._centres, self._ratio, out)
         if bad >= 0:
             raise_out_of_range(arr, self._alphabet_size)
         return out
@@ -339,7 +338,7 @@ class Codec:
         """The codec's parameters in the form the Numba decoders take (for other kernels)."""
         if self._geometry == "grid":
             return (self._span, self._bits, self._alphabet_size)
-        return (self._span, self._ax, self._ay, self._inv_ratio, self._radius2,
+        return (self._span, self._centres, self._inv_ratio, self._radius2,
                 self._origin_tol2)
 
     # ------------------------------------------------------------------ decoding
@@ -393,8 +392,8 @@ class Codec:
             err = _k.grid_decode(pts, first, length, start, stop, self._span, self._bits,
                                  self._alphabet_size, out)
         else:
-            err = _k.ring_decode(pts, first, length, start, stop, self._span, self._ax,
-                                 self._ay, self._inv_ratio, self._radius2, self._origin_tol2, out)
+            err = _k.ring_decode(pts, first, length, start, stop, self._span, self._centres,
+                                 self._inv_ratio, self._radius2, self._origin_tol2, out)
         if err >= 0:
             span, reason = divmod(int(err), 8)
             lo = span * self._span

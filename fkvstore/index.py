@@ -88,9 +88,8 @@ class SuffixIndex:
             self._grid_args = (args[0], 0, codec.alphabet_size)
             self._ring_args = args[1:]
         else:
-            unused = np.zeros(1)
             self._grid_args = args
-            self._ring_args = (unused, unused, 1.0, 1.0, unused)
+            self._ring_args = (np.zeros((1, 2)), 1.0, 1.0, np.zeros(1))
 
     # ------------------------------------------------------------------ building
     @classmethod

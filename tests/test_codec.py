@@ -182,11 +182,10 @@ def test_decodes_across_machines_whose_vertices_differ_by_ulps(alphabet_size):
     codec = Codec(alphabet_size, "ring")
     other = Codec(alphabet_size, "ring")
     rng = np.random.default_rng(alphabet_size)
-    ax, ay = (a.copy() for a in (codec._ax, codec._ay))
-    for a in (ax, ay):
-        for _ in range(4):
-            a[:] = np.nextafter(a, np.where(rng.random(a.shape) < 0.5, -np.inf, np.inf))
-    other._ax, other._ay = ax, ay
+    centres = codec._centres.copy()
+    for _ in range(4):
+        centres = np.nextafter(centres, np.where(rng.random(centres.shape) < 0.5, -np.inf, np.inf))
+    other._centres = centres
     for kind in range(3):
         if kind == 0:
             symbols = rng.integers(0, alphabet_size, 5000)
