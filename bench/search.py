@@ -192,6 +192,31 @@ def _row(size, method, times, hits, build, bytes_per_pos) -> dict:
             "bytes_per_position": bytes_per_pos}
 
 
+def reopen(text: np.ndarray, size: int) -> dict:
+    """First query after opening an archive: index built from the archive vs restored."""
+    import tempfile
+
+    import fkvstore
+
+    data = np.resize(text, size)
+    out = {"positions": size}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "reopen.h5"
+        with fkvstore.open(path, "w") as ar:
+            ar.create_text_stream("t").extend(data)
+        out["file_bytes"] = path.stat().st_size
+        for label in ("built", "restored"):
+            if label == "restored":
+                with fkvstore.open(path, "a") as ar:
+                    ar["t"].build_index(persist=True)
+                out["file_bytes_with_index"] = path.stat().st_size
+            with fkvstore.open(path) as ar:
+                t0 = time.perf_counter()
+                ar["t"].search(b"Weena")
+                out[f"first_query_s_{label}"] = time.perf_counter() - t0
+    return out
+
+
 def plots(dec: dict, pr: list[dict], lat: list[dict]) -> None:
     import matplotlib
 
@@ -265,6 +290,7 @@ def main() -> None:
     dec = decay(text, rng)
     pr = precision_recall(text, rng, lengths)
     lat = latency(text, sizes, rng, 300 if args.quick else 2000)
+    reo = reopen(text, 10**5 if args.quick else 10**6)
     print("\n## Precision / recall per query length")
     print(markdown_table(pr, [("geometry", "geometry"), ("length", "ℓ"),
                               ("float64_precision", "raw f64 P"), ("float64_recall", "raw f64 R"),
@@ -283,11 +309,16 @@ def main() -> None:
             print(f"{size:>10,} {geometry}: {by['bytes.find loop']['p50_us'] / ours:.1f}x the "
                   f"bytes.find loop, {ours / by['suffix array (divsufsort)']['p50_us']:.2f}x the "
                   "suffix array's latency")
+    print(f"\nfirst query after open, {reo['positions']:,} positions: "
+          f"{reo['first_query_s_built']:.3f} s building the index, "
+          f"{reo['first_query_s_restored']:.3f} s restoring it; file "
+          f"{reo['file_bytes'] / 1e6:.1f} MB -> {reo['file_bytes_with_index'] / 1e6:.1f} MB")
     info = machine()
     print(f"\n{info['cpu']}, {info['cores']} cores, Python {info['python']}, {info['date']}")
     summary = {g: d["per_length"] for g, d in dec.items()}
     write_json("search" + ("-quick" if args.quick else ""),
-               {"machine": info, "decay": summary, "precision_recall": pr, "latency": lat})
+               {"machine": info, "decay": summary, "precision_recall": pr, "latency": lat,
+                "reopen": reo})
     plots(dec, pr, lat)
 
 

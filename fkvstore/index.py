@@ -21,6 +21,7 @@ stored span points (16 / span B); see docs/search.md for measurements.
 from __future__ import annotations
 
 import numpy as np
+import scipy
 from scipy.spatial import cKDTree
 
 from fkvstore import _index_kernels as _ik
@@ -28,10 +29,12 @@ from fkvstore._validate import integer, raise_out_of_range, symbol_array
 from fkvstore.codec import Codec
 from fkvstore.errors import InvalidPointError
 
-__all__ = ["SuffixIndex"]
+__all__ = ["TREE_FORMAT", "SuffixIndex"]
 
 _BUFFER = 4096  # positions scanned by brute force before they become a tree
 _LEAF = 16
+#: what persisted KD-tree node bytes depend on: scipy's node layout and the leaf size
+TREE_FORMAT = f"scipy-{scipy.__version__}-leaf{_LEAF}"
 # slack on the ball radius for float64 rounding of walk points (the walk's forward error is
 # below 8 ulps of the radius; a generous margin only costs candidates that verification drops)
 _SLACK = 2.0**-46
@@ -95,11 +98,17 @@ class SuffixIndex:
         """Index a whole stream: ``symbols`` int ``(n,)``; ``walk`` its persisted walk points
         ``(n, 2)`` float64 if available (skips recomputing them)."""
         index = cls(codec)
-        index.extend(symbols, walk=walk, _tree=True)
+        index._append(symbols, walk)
+        index._absorb_buffer()
         return index
 
-    def extend(self, symbols, walk: np.ndarray | None = None, _tree: bool = False) -> None:
+    def extend(self, symbols, walk: np.ndarray | None = None) -> None:
         """Index positions appended to the stream: ``symbols`` int ``(k,)``."""
+        self._append(symbols, walk)
+        if self._length - self._indexed >= _BUFFER:
+            self._absorb_buffer()
+
+    def _append(self, symbols, walk: np.ndarray | None) -> None:
         arr = symbol_array(symbols, self.codec.alphabet_size, ndim=(1,))
         if arr.shape[0] == 0:
             return
@@ -115,10 +124,77 @@ class SuffixIndex:
         self._points.truncate(self._points.n - (1 if tail_count else 0))
         self._points.extend(new_points)
         self._length += arr.shape[0]
-        if _tree:
-            self._absorb_buffer()
-        elif self._length - self._indexed >= _BUFFER:
-            self._absorb_buffer()
+
+    # ------------------------------------------------------------------ persistence
+    def state(self) -> dict[str, np.ndarray]:
+        """The index as plain arrays (no pickles), for :meth:`from_state`:
+
+        ``walk`` float64 ``(n, 2)``; ``trees`` int64 ``(T, 4)`` rows (first position, end,
+        offset and length of the tree's node bytes); ``nodes`` uint8 (scipy's cKDTree node
+        records, valid only for the scipy version that wrote them, :data:`TREE_FORMAT`);
+        ``indices`` int64 (each tree's point order, concatenated); ``boxes`` float64 ``(T, 4)``
+        (each tree's maxes then mins)."""
+        trees, nodes, indices, boxes = [], [], [], []
+        offset = 0
+        for a, b, tree in self._trees:
+            st = tree.__getstate__()
+            raw = np.frombuffer(st[0].tobytes(), dtype=np.uint8)
+            trees.append((a, b, offset, raw.shape[0]))
+            offset += raw.shape[0]
+            nodes.append(raw)
+            indices.append(np.asarray(st[7], dtype=np.int64))
+            boxes.append(np.concatenate([st[5], st[6]]))
+        return {"walk": self._walk.view.copy(),
+                "trees": np.array(trees, dtype=np.int64).reshape(-1, 4),
+                "nodes": np.concatenate(nodes) if nodes else np.zeros(0, np.uint8),
+                "indices": np.concatenate(indices) if indices else np.zeros(0, np.int64),
+                "boxes": np.array(boxes, dtype=np.float64).reshape(-1, 4)}
+
+    @classmethod
+    def from_state(cls, codec: Codec, symbols, state: dict[str, np.ndarray],
+                   tree_format: str) -> SuffixIndex:
+        """Rebuild an index from :meth:`state` arrays and the stream's symbols ``(n,)`` (n at
+        least the persisted length). The KD-trees are restored without rebuilding when
+        ``tree_format`` equals this machine's :data:`TREE_FORMAT`; otherwise rebuilt."""
+        arr = symbol_array(symbols, codec.alphabet_size, ndim=(1,))
+        walk = np.asarray(state["walk"], dtype=np.float64)
+        n = walk.shape[0]
+        if walk.ndim != 2 or walk.shape[1] != 2 or n > arr.shape[0]:
+            raise ValueError(f"persisted walk of shape {walk.shape} does not fit a stream of "
+                             f"{arr.shape[0]} positions")
+        index = cls(codec)
+        index._append(arr[:n], walk)
+        trees = np.asarray(state["trees"], dtype=np.int64)
+        if tree_format == TREE_FORMAT and index._restore_trees(trees, state):
+            pass
+        else:
+            index._absorb_buffer()
+        index.extend(arr[n:])
+        return index
+
+    def _restore_trees(self, trees: np.ndarray, state) -> bool:
+        nodes, indices, boxes = state["nodes"], state["indices"], state["boxes"]
+        bounds_ok = (trees.ndim == 2 and trees.shape[1] == 4 and boxes.shape == (len(trees), 4)
+                     and (len(trees) == 0 or (trees[0, 0] == 0 and np.all(trees[1:, 0] ==
+                                                                         trees[:-1, 1])))
+                     and int((trees[:, 1] - trees[:, 0]).sum()) == indices.shape[0]
+                     and (len(trees) == 0 or int(trees[-1, 1]) <= self._length)
+                     and int(trees[:, 3].sum()) == nodes.shape[0])
+        if not bounds_ok:
+            return False
+        restored = []
+        pos = 0
+        for a, b, off, size in trees.tolist():
+            tree = cKDTree.__new__(cKDTree)
+            tree.__setstate__((nodes[off:off + size].view("S1"), self._walk.view[a:b], b - a, 2,
+                               _LEAF, boxes[len(restored), :2].copy(),
+                               boxes[len(restored), 2:].copy(), indices[pos:pos + b - a].copy(),
+                               None, None))
+            pos += b - a
+            restored.append((a, b, tree))
+        self._trees = restored
+        self._indexed = restored[-1][1] if restored else 0
+        return True
 
     def truncate(self, length: int) -> None:
         """Forget positions ``>= length`` (the stream was truncated)."""

@@ -5,9 +5,9 @@
 A stream keeps one index per searched column, built from the archive on first use. It is kept
 current lazily: appended rows are added to the index (O(log n) amortised each) the next time a
 query runs, a truncation cuts the index back at once, and a reader that sees a writer rewind
-drops its indexes. ``build_index(persist=True)`` stores the walk points beside the stream
-(``aux/search_walk_<column>``, float64 ``(n, 2)``; docs/format.md), so reopening a large
-archive skips the decode-and-walk pass; the KD-trees are rebuilt from those points.
+drops its indexes. ``build_index(persist=True)`` stores the index beside the stream as plain
+arrays (``aux/search_<column>_<walk|trees|nodes|indices|boxes>``; docs/format.md), so reopening
+a large archive restores the KD-trees instead of rebuilding them.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from __future__ import annotations
 import numpy as np
 
 from fkvstore._validate import integer
-from fkvstore.errors import StreamNotFoundError
-from fkvstore.index import SuffixIndex
+from fkvstore.index import TREE_FORMAT, SuffixIndex
 
 __all__ = ["SearchMixin"]
 
-_WALK_KEY = "search_walk_{}"
+_KEY = "search_{}_{}"  # column, state array name
+_STATE = ("walk", "trees", "nodes", "indices", "boxes")
 
 
 class SearchMixin:
@@ -58,13 +58,16 @@ class SearchMixin:
 
     def build_index(self, column: int = 0, persist: bool = False) -> SuffixIndex:
         """Build (or bring up to date) the index of ``column`` now; with ``persist=True`` also
-        store its walk points in the archive for the next open (needs a writable archive)."""
+        store it in the archive (walk points and KD-trees as plain arrays, docs/format.md), so
+        the next open restores it instead of recomputing it (needs a writable archive)."""
         index = self._search_index(column)
         if persist:
             self._ar._check_writable()
-            self.put_aux_array(_WALK_KEY.format(column), index.walk,
-                               {"length": len(index), "rewinds": self._commit.rewinds,
-                                "codec": str(self.codec.config())})
+            meta = {"length": len(index), "rewinds": self._commit.rewinds,
+                    "codec": str(self.codec.config()), "tree_format": TREE_FORMAT}
+            for name, array in index.state().items():
+                self.put_aux_array(_KEY.format(column, name), array,
+                                   meta if name == "walk" else None)
         return index
 
     # ------------------------------------------------------------------ internals
@@ -89,18 +92,17 @@ class SearchMixin:
         return index
 
     def _load_index(self, column: int, n: int) -> SuffixIndex:
-        walk = None
-        try:
-            stored, attrs = self.get_aux_array(_WALK_KEY.format(column))
-        except StreamNotFoundError:
-            stored = None
-        if stored is not None and int(attrs.get("rewinds", -1)) == self._commit.rewinds \
-                and attrs.get("codec") == str(self.codec.config()) and len(stored) <= n:
-            walk = stored
-        count = n if walk is None else len(walk)
-        symbols = self.read(0, count)[:, column]
-        index = SuffixIndex.build(self.codec, symbols, walk=walk)
-        return index
+        names = set(self.aux_array_names())
+        keys = {name: _KEY.format(column, name) for name in _STATE}
+        if set(keys.values()) <= names:
+            walk, attrs = self.get_aux_array(keys["walk"])
+            if (int(attrs.get("rewinds", -1)) == self._commit.rewinds
+                    and attrs.get("codec") == str(self.codec.config()) and len(walk) <= n):
+                state = {name: (walk if name == "walk" else self.get_aux_array(key)[0])
+                         for name, key in keys.items()}
+                return SuffixIndex.from_state(self.codec, self.read(0, n)[:, column], state,
+                                              str(attrs.get("tree_format", "")))
+        return SuffixIndex.build(self.codec, self.read(0, n)[:, column])
 
     def _search_truncated(self, n: int) -> None:
         for index in self._search_indexes.values():

@@ -123,3 +123,32 @@ def test_text_queries_and_bad_input():
         index.search([1.5])
     with pytest.raises(ValueError, match="k must be >= 1"):
         index.longest_suffix(b"a", 0)
+
+
+@pytest.mark.parametrize("geometry", ["grid", "ring"])
+def test_state_round_trip_restores_trees(geometry, monkeypatch):
+    import fkvstore.index as ix
+
+    monkeypatch.setattr(ix, "_BUFFER", 256)
+    rng = np.random.default_rng(11)
+    stream = rng.integers(0, 5, 6000)
+    codec = Codec(27, geometry)
+    index = SuffixIndex(codec)
+    for a in range(0, 5000, 700):
+        index.extend(stream[a:min(a + 700, 5000)])
+    state = index.state()
+    more = stream
+    with monkeypatch.context() as m:  # restoring builds no tree
+        m.setattr(SuffixIndex, "_tree", lambda *a: pytest.fail("a tree was rebuilt"))
+        exact = SuffixIndex.from_state(codec, stream[:5000], state, ix.TREE_FORMAT)
+    assert exact.tree_sizes == index.tree_sizes
+    assert exact.search(stream[100:110]).tolist() == index.search(stream[100:110]).tolist()
+    restored = SuffixIndex.from_state(codec, more, state, ix.TREE_FORMAT)
+    rebuilt = SuffixIndex.from_state(codec, more, state, "scipy-0.0-leaf16")  # other scipy
+    for q in ([1, 2], [0, 0, 0], stream[4990:5010].tolist(), stream[10:30].tolist()):
+        expect = naive.find_all(more.tolist(), q)
+        assert restored.search(q).tolist() == expect
+        assert rebuilt.search(q).tolist() == expect
+    damaged = dict(state, trees=state["trees"][:, ::-1].copy())
+    assert SuffixIndex.from_state(codec, more, damaged, ix.TREE_FORMAT).search([1, 2]).tolist() \
+        == naive.find_all(more.tolist(), [1, 2])

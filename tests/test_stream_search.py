@@ -57,8 +57,8 @@ def test_text_stream_search_context_and_persisted_index(tmp_path):
         s.build_index(persist=True)
     with fkvstore.open(path, "a") as ar:
         s = ar["book"]
-        assert "search_walk_0" in s.aux_array_names()
-        walk, attrs = s.get_aux_array("search_walk_0")
+        assert "search_0_walk" in s.aux_array_names()
+        walk, attrs = s.get_aux_array("search_0_walk")
         assert int(attrs["length"]) == len(book)
         assert np.array_equal(walk, s.codec.walk(np.frombuffer(book, dtype=np.uint8)))
         tail = " and the Time Traveller returned"

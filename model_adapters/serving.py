@@ -1,0 +1,487 @@
+"""A transformers cache whose archived positions live only as residual-VQ codes.
+
+Positions follow the archiving cache (:mod:`model_adapters.hf_cache`): the first ``sinks`` and
+the last ``recent`` positions are exact, every position in between is archived. Here an archived
+position keeps only its codes, ``(batch, kv_heads, archived, stages)`` uint8/int16 per side, and
+the codebooks are held once; attention reads them through the function registered by
+:mod:`model_adapters.codes_attention`, which the model must use (:func:`use_codes_attention`).
+
+Rewinding: ``crop`` can only restore positions whose exact K/V is still held. ``rewind`` extra
+exact positions are kept behind the recent window for that (speculative decoding needs a few);
+with them, crop-then-continue is the same computation as a fresh run on the shorter prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from model_adapters.adapters import KVShape, kv_shape
+from model_adapters.codes_attention import CODES_ATTENTION, LAYER_ATTR, use_codes_attention
+from model_adapters.quantizer import KVQuantizer
+from model_adapters.rvq import decode
+
+__all__ = ["AttentionState", "CodesOnlyCache", "CodesOnlyLayer", "use_codes_attention"]
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class AttentionState:
+    """What attention needs from one layer; every K/V tensor is ``(batch, kv_heads, n, d)``."""
+
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    key_codes: torch.Tensor  # (batch, kv_heads, archived, key_stages)
+    value_codes: torch.Tensor
+    key_codebooks: torch.Tensor  # (kv_heads, stages, codebook_size, head_dim) float32
+    value_codebooks: torch.Tensor
+    recent_keys: torch.Tensor
+    recent_values: torch.Tensor
+
+    @property
+    def archived(self) -> int:
+        return self.key_codes.shape[2]
+
+
+def _grow(buf: torch.Tensor, used: int, extra: int) -> torch.Tensor:
+    """``buf`` with room for ``extra`` more positions on dim 2 (about 1/8 headroom)."""
+    need = used + extra
+    if need <= buf.shape[2]:
+        return buf
+    cap = max(need, buf.shape[2] + buf.shape[2] // 8, 256)
+    out = buf.new_zeros(*buf.shape[:2], cap, buf.shape[3])
+    out[:, :, :used] = buf[:, :, :used]
+    return out
+
+
+class CodesOnlyLayer(CacheLayerMixin):
+    """One decoder layer: exact sinks, codes for archived positions, exact recent tail.
+
+    Positions ``[0, sinks)`` are in ``head``; ``[sinks, archived_end)`` are codes;
+    ``[tail_start, length)`` are in ``tail`` (exact, ``tail_start <= archived_end``: the part
+    below ``archived_end`` is the rewind margin, never attended to).
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, layer_idx: int, cache: CodesOnlyCache):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.cache = cache
+        self.length = 0
+        self.archived_end = cache.sinks
+        self.tail_start = cache.sinks
+
+    @property
+    def backend(self) -> str:
+        return self.cache.backend
+
+    # --- transformers layer API -------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states=None) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        b, h, _, d = key_states.shape
+        empty = key_states.new_zeros(b, h, 0, d)
+        self.head_k = self.head_v = self.tail_k = self.tail_v = empty
+        q = self.cache.quantizer
+        self.key_codes = torch.zeros(
+            b, h, 0, q.key_stages, dtype=q.code_dtype, device=self.device
+        )
+        self.value_codes = torch.zeros(
+            b, h, 0, q.value_stages, dtype=q.code_dtype, device=self.device
+        )
+        self.keys, self.values = self.tail_k, self.tail_v
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        sinks, recent = self.cache.sinks, self.cache.recent
+        take = max(0, min(key_states.shape[2], sinks - self.length))
+        if take:
+            self.head_k = torch.cat([self.head_k, key_states[:, :, :take]], 2)
+            self.head_v = torch.cat([self.head_v, value_states[:, :, :take]], 2)
+        if key_states.shape[2] > take:
+            self.tail_k = torch.cat([self.tail_k, key_states[:, :, take:]], 2)
+            self.tail_v = torch.cat([self.tail_v, value_states[:, :, take:]], 2)
+        self.length += key_states.shape[2]
+        end = self.length - recent
+        if end > self.archived_end:
+            self._archive(end)
+        self.keys, self.values = self.tail_k, self.tail_v
+        # the layer rides on a fresh view so the attention function can find the codes
+        keys = self.tail_k[:, :, self.archived_end - self.tail_start :]
+        values = self.tail_v[:, :, self.archived_end - self.tail_start :]
+        setattr(keys, LAYER_ATTR, self)
+        return keys, values
+
+    def _archive(self, end: int) -> None:
+        start = self.archived_end
+        lo, hi = start - self.tail_start, end - self.tail_start
+        q = self.cache.device_quantizer(self.device)
+        kc, _, vc, _ = q.quantize(
+            self.layer_idx, self.tail_k[:, :, lo:hi], self.tail_v[:, :, lo:hi]
+        )
+        used = start - self.cache.sinks
+        self.key_codes = _grow(self.key_codes, used, end - start)
+        self.value_codes = _grow(self.value_codes, used, end - start)
+        self.key_codes[:, :, used : used + end - start] = kc
+        self.value_codes[:, :, used : used + end - start] = vc
+        self.archived_end = end
+        if self.cache.rows is not None:
+            self.cache.rows.add(self.layer_idx, kc, vc)
+        self._trim_tail()
+
+    def _trim_tail(self) -> None:
+        keep_from = max(self.cache.sinks, self.archived_end - self.cache.rewind)
+        if keep_from > self.tail_start:
+            cut = keep_from - self.tail_start
+            # clone: a view would keep the whole old storage alive
+            self.tail_k = self.tail_k[:, :, cut:].clone()
+            self.tail_v = self.tail_v[:, :, cut:].clone()
+            self.tail_start = keep_from
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        # older releases pass cache_position (one entry per query token) instead of a length
+        q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
+        return self.length + q, 0
+
+    def get_seq_length(self, *args) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    get_max_cache_shape = get_max_length  # the name older releases ask for
+
+    # --- what attention reads ---------------------------------------------------------------
+    @property
+    def archived(self) -> int:
+        return self.archived_end - self.cache.sinks
+
+    def attention_state(self) -> AttentionState:
+        """The layer's segments as the attention function reads them (marks the layer read)."""
+        self.cache.unread_layer = None
+        q = self.cache.device_quantizer(self.device)
+        n = self.archived
+        cut = self.archived_end - self.tail_start
+        return AttentionState(
+            self.head_k,
+            self.head_v,
+            self.key_codes[:, :, :n],
+            self.value_codes[:, :, :n],
+            q.key_codebooks[self.layer_idx],
+            q.value_codebooks[self.layer_idx],
+            self.tail_k[:, :, cut:],
+            self.tail_v[:, :, cut:],
+        )
+
+    def dense(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every position's K and V, archived ones decoded: ``(batch, kv_heads, length, d)``.
+
+        Allocates the dense layer; used for prefill chunks and rehydration, never kept.
+        """
+        self.cache.unread_layer = None
+        dtype = dtype or self.dtype
+        q = self.cache.device_quantizer(self.device)
+        n, cut = self.archived, self.archived_end - self.tail_start
+        ks, vs = [self.head_k.to(dtype)], [self.head_v.to(dtype)]
+        if n:
+            ks.append(decode(self.key_codes[:, :, :n], q.key_codebooks[self.layer_idx], dtype))
+            vs.append(
+                decode(self.value_codes[:, :, :n], q.value_codebooks[self.layer_idx], dtype)
+            )
+        ks.append(self.tail_k[:, :, cut:].to(dtype))
+        vs.append(self.tail_v[:, :, cut:].to(dtype))
+        return torch.cat(ks, 2), torch.cat(vs, 2)
+
+    def load_state(
+        self,
+        head: tuple[torch.Tensor, torch.Tensor],
+        codes: tuple[torch.Tensor, torch.Tensor],
+        tail: tuple[torch.Tensor, torch.Tensor],
+        *,
+        length: int,
+        tail_start: int,
+    ) -> None:
+        """Install a saved state (resume): exact ``head`` ``(batch, kv_heads, <=sinks, d)``,
+        ``codes`` ``(batch, kv_heads, archived, stages)`` per side, exact ``tail`` covering
+        positions ``[tail_start, length)``."""
+        self.lazy_initialization(head[0], head[1])
+        self.head_k, self.head_v = head
+        self.key_codes, self.value_codes = codes
+        self.tail_k, self.tail_v = tail
+        self.length = length
+        self.archived_end = self.cache.sinks + codes[0].shape[2]
+        self.tail_start = tail_start
+        self.keys, self.values = self.tail_k, self.tail_v
+
+    # --- rewinding ----------------------------------------------------------------------------
+    def crop_problem(self, length: int) -> str | None:
+        """Why this layer cannot be cut back to ``length`` positions (None: it can)."""
+        if length > self.length:
+            return f"the cache holds only {self.length} positions"
+        sinks = self.cache.sinks
+        new_end = max(sinks, min(self.archived_end, length - self.cache.recent))
+        if length > sinks and self.tail_start > new_end:
+            shortest = self.tail_start + self.cache.recent
+            return (
+                f"positions {new_end}..{self.tail_start - 1} would have to be exact again, but "
+                f"only their codes are held (rewind margin {self.cache.rewind}); crop to at "
+                f"least {shortest} (or at most {sinks}), or build the cache with a larger rewind"
+            )
+        return None
+
+    def crop_to(self, length: int) -> None:
+        """Cut back to ``length`` positions (check :meth:`crop_problem` first)."""
+        if not self.is_initialized or length == self.length:
+            return
+        sinks = self.cache.sinks
+        self.head_k, self.head_v = self.head_k[:, :, :length], self.head_v[:, :, :length]
+        self.archived_end = max(sinks, min(self.archived_end, length - self.cache.recent))
+        keep = max(0, length - self.tail_start)
+        self.tail_k, self.tail_v = self.tail_k[:, :, :keep], self.tail_v[:, :, :keep]
+        if length <= sinks:
+            self.tail_start = sinks
+        self.length = length
+        self._trim_tail()
+        self.keys, self.values = self.tail_k, self.tail_v
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.cache.crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.keys = self.values = None
+        self.length = 0
+        self.archived_end = self.tail_start = self.cache.sinks
+
+    # --- batch manipulation (generate: beams, multiple return sequences) -----------------------
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        for name in ("head_k", "head_v", "tail_k", "tail_v", "key_codes", "value_codes"):
+            setattr(self, name, fn(getattr(self, name)))
+        self.keys, self.values = self.tail_k, self.tail_v
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def offload(self):
+        raise NotImplementedError("the codes-only cache does not offload (it is small already)")
+
+    prefetch = offload
+
+    # --- memory -------------------------------------------------------------------------------
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this layer holds, by kind (``window``: exact K/V, ``codes``)."""
+        if not self.is_initialized:
+            return {"window": [], "codes": []}
+        return {
+            "window": [self.head_k, self.head_v, self.tail_k, self.tail_v],
+            "codes": [self.key_codes, self.value_codes],
+        }
+
+
+class CodesOnlyCache(Cache):
+    """A transformers ``Cache`` keeping archived positions only as residual-VQ codes.
+
+    Args:
+        model_or_config: the model (which must use :data:`CODES_ATTENTION`; see
+            :func:`use_codes_attention`) or its config: GPT-2 or Qwen3.
+        quantizer: codebooks for keys and values (both sides must be quantized: an exact side
+            would have to be kept dense, which is the archiving cache's job).
+        sinks: leading positions kept exact forever.
+        recent: most recent positions kept exact.
+        rewind: extra exact positions kept behind the recent window so that ``crop`` can step
+            back that far past the archive boundary.
+        rows: collector receiving one row of codes per archived token
+            (:class:`~model_adapters.code_rows.CodeRows`; batch 1 only).
+        backend: for float16/bfloat16 decode steps, passed to
+            :func:`kernels.rvq_decode_attention` (``"auto"``: Triton on CUDA, torch elsewhere).
+
+    Attention sees exactly what the archiving cache's does (sinks and recent exact, the
+    reconstruction in between), so logits agree with
+    :class:`~model_adapters.hf_cache.ArchivingCache` up to floating-point rounding.
+    """
+
+    def __init__(
+        self,
+        model_or_config,
+        quantizer: KVQuantizer,
+        *,
+        sinks: int = 4,
+        recent: int = 32,
+        rewind: int = 0,
+        rows=None,
+        backend: str = "auto",
+    ):
+        shape: KVShape = kv_shape(model_or_config)
+        for name, v in (("sinks", sinks), ("recent", recent), ("rewind", rewind)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if not isinstance(quantizer, KVQuantizer):
+            raise TypeError(f"quantizer must be a KVQuantizer, got {type(quantizer).__name__}")
+        if quantizer.shape != shape:
+            raise ValueError(f"quantizer was built for {quantizer.shape}, the model has {shape}")
+        if not (quantizer.key_stages and quantizer.value_stages):
+            raise ValueError(
+                f"the codes-only cache needs codebooks for keys and values, got K"
+                f"{quantizer.key_stages}V{quantizer.value_stages}; use ArchivingCache to keep "
+                "a side exact"
+            )
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        impl = getattr(getattr(model_or_config, "config", None), "_attn_implementation", None)
+        if hasattr(model_or_config, "config") and impl != CODES_ATTENTION:
+            raise ValueError(
+                f"the model's attention implementation is {impl!r}; the codes-only cache needs "
+                f"{CODES_ATTENTION!r}: call model_adapters.serving.use_codes_attention(model)"
+            )
+        if rows is not None and rows.num_layers != shape.num_layers:
+            raise ValueError(
+                f"rows collector has {rows.num_layers} layers, model has {shape.num_layers}"
+            )
+        self.shape = shape
+        self.quantizer = quantizer
+        self.sinks, self.recent, self.rewind = sinks, recent, rewind
+        self.rows = rows
+        self.backend = backend
+        self.archive_hooks: list = []
+        self._on_device: dict = {}
+        self.unread_layer: int | None = None
+        super().__init__(layers=[CodesOnlyLayer(i, self) for i in range(shape.num_layers)])
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.rows is not None and key_states.shape[0] != 1:
+            raise ValueError(
+                "a cache that hands codes to a rows collector or an archive needs batch size 1 "
+                f"(one row per token), got batch {key_states.shape[0]}"
+            )
+        if self.unread_layer is not None:
+            raise RuntimeError(
+                f"layer {self.unread_layer} of the codes-only cache was updated but attention "
+                f"did not read its codes: the model's attention implementation must be "
+                f"{CODES_ATTENTION!r} (call model_adapters.serving.use_codes_attention(model))"
+            )
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        self.unread_layer = layer_idx
+        return out
+
+    def reset(self) -> None:
+        """Empty every layer; refused once codes went to a collector or an archive."""
+        if self.archive_hooks or (self.rows is not None and self.rows.emitted):
+            raise ValueError(
+                "cannot reset a cache whose codes went to a rows collector or an archive; "
+                "crop it, or start a new cache"
+            )
+        super().reset()
+        self.unread_layer = None
+
+    def device_quantizer(self, device) -> KVQuantizer:
+        """The codebooks on ``device`` (moved once, then reused)."""
+        device = torch.device(device)
+        if self.quantizer.key_codebooks.device == device:
+            return self.quantizer
+        if device not in self._on_device:
+            self._on_device[device] = self.quantizer.to(device)
+        return self._on_device[device]
+
+    @property
+    def archived_tokens(self) -> int:
+        """Positions held only as codes (the same in every layer between forward passes)."""
+        return min(layer.archived for layer in self.layers)
+
+    def archived_after(self, length: int) -> int:
+        """Archived positions left after cutting the cache back to ``length``."""
+        return max(0, min(self.archived_tokens, length - self.sinks - self.recent))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Cut the cache back: ``n > 0`` keeps the first ``n`` positions, ``n < 0`` drops the
+        last ``-n``, ``0`` does nothing (both transformers conventions).
+
+        Attached archives (``archive_hooks``) are truncated to the archived positions kept.
+        Raises ValueError, changing nothing, when a position would have to become exact again
+        but only its codes are held, or when cutting past the start.
+        """
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise TypeError(f"crop takes an int, got {tokens_to_remove!r}")
+        length = self.get_seq_length()
+        if tokens_to_remove == 0:
+            return
+        target = tokens_to_remove if tokens_to_remove > 0 else length + tokens_to_remove
+        if target < 0:
+            raise ValueError(
+                f"cannot remove {-tokens_to_remove} positions: the cache holds only {length}"
+            )
+        for layer in self.layers:
+            problem = layer.crop_problem(target)
+            if problem is not None:
+                raise ValueError(f"cannot crop to {target} positions: {problem}")
+        kept = self.archived_after(target)
+        if self.rows is not None and kept < self.archived_tokens and not self.archive_hooks:
+            raise ValueError(
+                f"cannot crop to {target} positions: {self.archived_tokens - kept} archived "
+                "positions were already handed to the rows collector, which cannot take them back"
+            )
+        for hook in self.archive_hooks:
+            hook.check_truncate(target, self)
+        for layer in self.layers:
+            layer.crop_to(target)
+        for hook in self.archive_hooks:
+            hook.truncate(target, self)
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every tensor the cache holds, by kind: ``window``, ``codes``, ``codebooks``."""
+        out = {"window": [], "codes": [], "codebooks": []}
+        for layer in self.layers:
+            for kind, ts in layer.tensors().items():
+                out[kind] += ts
+        for q in (self.quantizer, *self._on_device.values()):
+            out["codebooks"] += [q.key_codebooks, q.value_codebooks]
+        return out
+
+    def live_bytes(self) -> dict[str, int]:
+        """Bytes of the storage allocated behind :meth:`tensors`, by kind, plus ``total``.
+
+        Storage is counted once even when several tensors view it; buffers count at their
+        allocated capacity, not only the part in use.
+        """
+        seen: set = set()
+        out = {}
+        for kind, ts in self.tensors().items():
+            total = 0
+            for t in ts:
+                storage = t.untyped_storage()
+                key = (storage.data_ptr(), str(t.device))
+                if key not in seen and storage.nbytes():
+                    seen.add(key)
+                    total += storage.nbytes()
+            out[kind] = total
+        out["total"] = sum(out.values())
+        return out
+
+
+def dense_cache_bytes(cache) -> int:
+    """Bytes of the keys and values a ``DynamicCache`` holds (storage actually allocated)."""
+    seen, total = set(), 0
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            if t is None:
+                continue
+            s = t.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+    return total

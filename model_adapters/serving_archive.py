@@ -1,0 +1,447 @@
+"""A codes-only cache bound to an fkvstore archive: resume, rewind, search and rehydrate.
+
+One archive file holds everything a later process needs to continue a sequence (batch 1):
+
+- stream ``codes`` and the codebooks, model identity and window attributes written by
+  :func:`model_adapters.archive_io.open_for_writing` (one row per archived token);
+- stream ``tokens``: every token id fed to the model, alphabet = the model's vocabulary;
+- arrays ``exact_head_keys`` / ``exact_head_values`` (``(layers, kv_heads, <=sinks, d)``) and
+  ``exact_tail_keys`` / ``exact_tail_values`` (the recent window plus the rewind margin), in the
+  cache's dtype (bfloat16 stored as float32, exactly), written by :meth:`ServingArchive.checkpoint`;
+- attributes ``serving_length``, ``serving_archived``, ``serving_tail_start``, ``serving_rewind``,
+  ``serving_dtype``: the checkpoint the arrays belong to;
+- for a fork (:func:`fork`): ``parent`` (the parent file, relative to this one's folder),
+  ``parent_tokens`` and ``parent_archived``: the streams here hold only what follows those.
+
+Rows appended after the last checkpoint (a process that died mid-generation) are ignored on
+resume, and dropped when the archive is reopened for writing: the checkpoint is the committed
+state. :func:`resume` rebuilds the cache from codes and the exact window without running the
+model over the archived text.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model_adapters.adapters import config_fingerprint, kv_shape
+from model_adapters.archive_io import (
+    CODES_STREAM,
+    check_identity,
+    open_for_writing,
+    read_quantizer,
+    require_fkvstore,
+)
+from model_adapters.code_rows import CodeRows
+from model_adapters.hf_cache import cache_kwarg
+from model_adapters.quantizer import KVQuantizer
+from model_adapters.serving import CodesOnlyCache
+from model_adapters.serving_streams import ChainedStream
+
+__all__ = ["TOKENS_STREAM", "ServingArchive", "create", "fork", "resume"]
+
+TOKENS_STREAM = "tokens"
+_WINDOW = ("exact_head_keys", "exact_head_values", "exact_tail_keys", "exact_tail_values")
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _vocab_size(model) -> int:
+    return int(getattr(model, "config", model).vocab_size)
+
+
+def _model_device(model):
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")
+
+
+class ServingArchive:
+    """A :class:`~model_adapters.serving.CodesOnlyCache` (``.cache``) and the archive it writes.
+
+    Build with :func:`create` or :func:`resume`; feed tokens through :meth:`forward` or
+    :meth:`generate` so the token stream follows the cache. Use as a context manager;
+    :meth:`close` writes a checkpoint first when the archive is writable.
+    """
+
+    def __init__(self, ar, cache: CodesOnlyCache, model, *, tokenizer=None, views=None,
+                 parents=()):
+        self.archive = ar
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.fingerprint = config_fingerprint(model)
+        self.writable = bool(getattr(ar, "writable", True))
+        self.codes, self.tokens = views or (ChainedStream(ar[CODES_STREAM]),
+                                            ChainedStream(ar[TOKENS_STREAM]))
+        self._parents = list(parents)  # read-only parent archives, closed with this one
+        self._index = None
+        cache.archive_hooks.append(self)
+
+    def __enter__(self) -> ServingArchive:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"ServingArchive({self.archive!r}, length={len(self.tokens)}, "
+            f"archived={self.cache.archived_tokens})"
+        )
+
+    # --- feeding the model --------------------------------------------------------------------
+    def _check_model(self, model) -> None:
+        if config_fingerprint(model) != self.fingerprint:
+            raise ValueError(
+                "this model's configuration differs from the one the archive was written for "
+                f"(config fingerprint {config_fingerprint(model)[:12]}... vs "
+                f"{self.fingerprint[:12]}...)"
+            )
+
+    def _record(self, ids: np.ndarray) -> None:
+        if not self.writable:
+            raise ValueError(
+                f"{self.archive!r} is open read-only: resume with mode='r+' to continue writing"
+            )
+        self.tokens.extend(ids)
+        if self._index is not None:
+            self._index.extend(ids)
+
+    def forward(self, model, input_ids: torch.Tensor):
+        """Run ``model`` on new tokens ``(1, n)`` with the cache, recording them; the output."""
+        self._check_model(model)
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids must be (1, n), got {tuple(input_ids.shape)}")
+        ids = input_ids[0].cpu().numpy().astype(np.int64)
+        self._record(ids)
+        with torch.no_grad():
+            return model(input_ids, **{cache_kwarg(model): self.cache})
+
+    def generate(self, model, new_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """``model.generate`` continuing the archived text with ``new_ids`` ``(1, n)``, n >= 1.
+
+        Returns the full sequence ``(1, length + n + generated)``; every token the model has
+        consumed is recorded (the last generated token is not yet in the cache).
+        """
+        self._check_model(model)
+        context = torch.as_tensor(self.token_ids(), device=new_ids.device)[None]
+        ids = torch.cat([context, new_ids.to(context.dtype)], 1)
+        kwargs.setdefault("attention_mask", torch.ones_like(ids))
+        with torch.no_grad():
+            out = model.generate(ids, **{cache_kwarg(model): self.cache}, **kwargs)
+        seq = out if isinstance(out, torch.Tensor) else out.sequences
+        consumed = self.cache.get_seq_length()
+        self._record(seq[0, len(self.tokens) : consumed].cpu().numpy().astype(np.int64))
+        return out
+
+    def token_ids(self) -> np.ndarray:
+        """Every token id in the cache, ``(length,)`` int64."""
+        return self.tokens.read()[:, 0]
+
+    # --- persistence --------------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        """Write the exact window and the lengths it belongs to, then flush the archive."""
+        if not self.writable:
+            raise ValueError(f"{self.archive!r} is open read-only; nothing to checkpoint")
+        cache = self.cache
+        length = cache.get_seq_length()
+        if len(self.tokens) != length:
+            raise ValueError(
+                f"the cache holds {length} positions but {len(self.tokens)} tokens were "
+                "recorded: feed the model through forward()/generate() of this object"
+            )
+        layers = cache.layers
+        dtype = layers[0].dtype if layers[0].is_initialized else torch.float32
+        for name, attr in zip(_WINDOW, ("head_k", "head_v", "tail_k", "tail_v"), strict=True):
+            if layers[0].is_initialized:
+                stack = torch.stack([getattr(layer, attr)[0] for layer in layers])
+                arr = stack.float() if dtype == torch.bfloat16 else stack
+                self.archive.put_array(name, arr.cpu().numpy())
+            else:
+                empty = (len(layers), cache.shape.kv_heads, 0, cache.shape.head_dim)
+                self.archive.put_array(name, np.zeros(empty, np.float32))
+        attrs = self.archive.attrs
+        attrs["serving_length"] = length
+        attrs["serving_archived"] = cache.archived_tokens
+        attrs["serving_tail_start"] = layers[0].tail_start
+        attrs["serving_rewind"] = cache.rewind
+        attrs["serving_dtype"] = str(dtype).replace("torch.", "")
+        self.archive.flush()
+
+    def close(self) -> None:
+        """Checkpoint (when writable) and close the archive."""
+        if getattr(self.archive, "closed", False):
+            return
+        try:
+            if self.writable:
+                self.checkpoint()
+        finally:
+            self.archive.close()
+            for parent in self._parents:
+                parent.close()
+
+    # --- rewinding (hooks called by CodesOnlyCache.crop) --------------------------------------
+    def check_truncate(self, target: int, cache: CodesOnlyCache) -> None:
+        if not self.writable:
+            raise ValueError(
+                f"cannot crop: {self.archive!r} is open read-only and would no longer match"
+            )
+        if target < self.tokens.base or cache.archived_after(target) < self.codes.base:
+            raise ValueError(
+                f"cannot crop to {target} positions: this archive is a fork of its first "
+                f"{self.tokens.base} positions, which belong to the parent archive"
+            )
+
+    def truncate(self, target: int, cache: CodesOnlyCache) -> None:
+        kept = cache.archived_tokens
+        self.codes.truncate(kept)
+        if cache.rows is not None:
+            cache.rows.emitted = kept
+        self.tokens.truncate(min(target, len(self.tokens)))
+        if self._index is not None:
+            self._index.truncate(len(self.tokens))
+
+    # --- search and rehydration ---------------------------------------------------------------
+    def find(self, query, tokenizer=None) -> np.ndarray:
+        """Positions whose preceding tokens are ``query`` (token ids, or text to tokenize).
+
+        Returns sorted int64 positions of the last token of every occurrence. Text is tokenized
+        on its own, so a phrase that began with a space in the archived text needs that space.
+        """
+        if isinstance(query, str):
+            tok = tokenizer or self.tokenizer
+            if tok is None:
+                raise ValueError("a text query needs a tokenizer (pass tokenizer=...)")
+            query = tok.encode(query, add_special_tokens=False)
+        if self._index is None:
+            from fkvstore.index import SuffixIndex
+
+            self._index = SuffixIndex.build(self.tokens.codec, self.token_ids())
+        return self._index.search(np.asarray(query, dtype=np.int64))
+
+    def rehydrate(self, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of past positions: archived ones decoded from the archive's codes, window
+        positions exact from the cache.
+
+        Args:
+            positions: int sequence, each in ``[0, length)``.
+
+        Returns:
+            ``(keys, values)``, each ``(num_layers, kv_heads, len(positions), head_dim)``
+            float32 (keys as cached: after RoPE for Qwen3).
+        """
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        length = self.cache.get_seq_length()
+        if pos.size and (pos.min() < 0 or pos.max() >= length):
+            bad = pos[(pos < 0) | (pos >= length)]
+            raise IndexError(f"positions {bad.tolist()[:5]} are outside the cache [0, {length})")
+        shape, q, sinks = self.cache.shape, self.cache.quantizer, self.cache.sinks
+        out_k = torch.zeros(shape.num_layers, shape.kv_heads, pos.size, shape.head_dim)
+        out_v = torch.zeros_like(out_k)
+        layers = self.cache.layers
+        end = layers[0].archived_end if layers[0].is_initialized else sinks
+        coded = (pos >= sinks) & (pos < end)
+        if coded.any():
+            rows = self.codes[pos[coded] - sinks]
+            kc, vc = q.rows_to_codes(rows)
+            idx = torch.from_numpy(np.flatnonzero(coded))
+            for li in range(shape.num_layers):
+                k, v = q.decode(li, torch.from_numpy(kc[li])[None], torch.from_numpy(vc[li])[None])
+                out_k[li][:, idx] = k[0]
+                out_v[li][:, idx] = v[0]
+        for i in np.flatnonzero(~coded).tolist():
+            p = int(pos[i])
+            for li, layer in enumerate(layers):
+                if p < sinks:
+                    k, v = layer.head_k[0, :, p], layer.head_v[0, :, p]
+                else:
+                    t = p - layer.tail_start
+                    k, v = layer.tail_k[0, :, t], layer.tail_v[0, :, t]
+                out_k[li][:, i] = k.float().cpu()
+                out_v[li][:, i] = v.float().cpu()
+        return out_k, out_v
+
+
+def create(
+    path,
+    model,
+    quantizer: KVQuantizer,
+    *,
+    sinks: int = 4,
+    recent: int = 32,
+    rewind: int = 0,
+    backend: str = "auto",
+    tokenizer=None,
+    mode: str = "w-",
+) -> ServingArchive:
+    """A new archive at ``path`` and an empty codes-only cache writing to it (batch 1)."""
+    cache = CodesOnlyCache(model, quantizer, sinks=sinks, recent=recent, rewind=rewind,
+                           backend=backend)
+    ar, codes = open_for_writing(path, model, quantizer, sinks=sinks, recent=recent, mode=mode)
+    ar.create_stream(TOKENS_STREAM, alphabet_size=_vocab_size(model), width=1)
+    cache.rows = CodeRows(kv_shape(model).num_layers, sink=codes.extend)
+    return ServingArchive(ar, cache, model, tokenizer=tokenizer)
+
+
+def resume(
+    path,
+    model,
+    *,
+    mode: str = "r+",
+    quantizer: KVQuantizer | None = None,
+    backend: str = "auto",
+    tokenizer=None,
+) -> ServingArchive:
+    """Reopen an archive and rebuild its cache from codes and the exact window (no prefill).
+
+    Args:
+        path: the archive.
+        model: the model to continue with (it must use the codes attention); its configuration
+            must be the one the archive was written for.
+        mode: ``"r+"`` to keep writing (rows past the last checkpoint are dropped), ``"r"`` to
+            continue in memory only (crop and further recording are refused).
+        quantizer: if given, must equal the archive's codebooks (a check, not a replacement).
+
+    Raises:
+        ValueError: another model configuration, other codebooks, no checkpoint, or streams
+            shorter than the checkpoint; the archive is left unchanged.
+    """
+    if mode not in ("r", "r+"):
+        raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+    opened = []
+    try:
+        ar, codes_view, tokens = _open_chain(path, mode, model, opened)
+        cache = _rebuild(ar, model, quantizer, backend, codes_view, tokens)
+    except BaseException:
+        for a in opened:
+            a.close()
+        raise
+    length, archived = int(ar.attrs["serving_length"]), int(ar.attrs["serving_archived"])
+    if mode == "r+":
+        codes_view.truncate(archived)
+        tokens.truncate(length)
+        cache.rows = CodeRows(cache.shape.num_layers, sink=codes_view.extend)
+        cache.rows.emitted = archived
+    return ServingArchive(ar, cache, model, tokenizer=tokenizer, views=(codes_view, tokens),
+                          parents=opened[1:])
+
+
+def _open_chain(path, mode, model, opened):
+    """Open ``path`` and, for a fork, its parents (read-only); appends every archive opened to
+    ``opened`` (``path``'s first). Returns ``(archive, codes view, tokens view)``."""
+    ar = require_fkvstore().open(path, mode)
+    opened.append(ar)
+    attrs = ar.attrs
+    if "parent" not in attrs:
+        return ar, ChainedStream(ar[CODES_STREAM]), ChainedStream(ar[TOKENS_STREAM])
+    parent_path = Path(path).parent / str(attrs["parent"])
+    parent, p_codes, p_tokens = _open_chain(parent_path, "r", model, opened)
+    check_identity(parent, model)
+    mine, theirs = read_quantizer(ar, model), read_quantizer(parent, model)
+    for side in ("key_codebooks", "value_codebooks"):
+        if not torch.equal(getattr(mine, side), getattr(theirs, side)):
+            raise ValueError(f"{ar!r} and its parent {parent!r} hold different codebooks")
+    return (ar, ChainedStream(ar[CODES_STREAM], p_codes, int(attrs["parent_archived"])),
+            ChainedStream(ar[TOKENS_STREAM], p_tokens, int(attrs["parent_tokens"])))
+
+
+def fork(parent_path, path, model, *, backend: str = "auto", tokenizer=None,
+         mode: str = "w-") -> ServingArchive:
+    """A new archive at ``path`` continuing ``parent_path`` from its last checkpoint.
+
+    The new file holds the codebooks, the identity attributes and what is written after the
+    fork; the shared past stays in the parent (opened read-only while the fork is open), so
+    any number of forks cost no copy of it. The parent must not be cropped below the fork point
+    afterwards (a fork then refuses to open). Cropping the fork below the fork point is refused.
+    """
+    parent = resume(parent_path, model, mode="r", backend=backend)
+    cache = parent.cache
+    cache.archive_hooks.remove(parent)
+    try:
+        ar, own_codes = open_for_writing(path, model, cache.quantizer, sinks=cache.sinks,
+                                         recent=cache.recent, mode=mode)
+    except BaseException:
+        parent.close()
+        raise
+    here = Path(path).resolve().parent
+    ar.attrs["parent"] = os.path.relpath(Path(parent_path).resolve(), here)
+    ar.attrs["parent_tokens"] = len(parent.tokens)
+    ar.attrs["parent_archived"] = cache.archived_tokens
+    own_tokens = ar.create_stream(TOKENS_STREAM, alphabet_size=_vocab_size(model), width=1)
+    views = (ChainedStream(own_codes, parent.codes, cache.archived_tokens),
+             ChainedStream(own_tokens, parent.tokens, len(parent.tokens)))
+    cache.rows = CodeRows(cache.shape.num_layers, sink=views[0].extend)
+    cache.rows.emitted = cache.archived_tokens
+    return ServingArchive(ar, cache, model, tokenizer=tokenizer or parent.tokenizer,
+                          views=views, parents=[parent.archive, *parent._parents])
+
+
+def _rebuild(ar, model, quantizer, backend, codes_view, tokens) -> CodesOnlyCache:
+    check_identity(ar, model)
+    attrs = ar.attrs
+    if "serving_length" not in attrs:
+        raise ValueError(
+            f"{ar!r} has no serving checkpoint (it was not written by model_adapters."
+            "serving_archive, or was never checkpointed)"
+        )
+    stored = read_quantizer(ar, model)
+    if quantizer is not None:
+        same = (
+            quantizer.key_stages == stored.key_stages
+            and quantizer.value_stages == stored.value_stages
+            and quantizer.codebook_size == stored.codebook_size
+            and torch.equal(quantizer.key_codebooks.cpu(), stored.key_codebooks)
+            and torch.equal(quantizer.value_codebooks.cpu(), stored.value_codebooks)
+        )
+        if not same:
+            raise ValueError(
+                f"the given codebooks (K{quantizer.key_stages}V{quantizer.value_stages}, "
+                f"size {quantizer.codebook_size}) differ from the archive's "
+                f"(K{stored.key_stages}V{stored.value_stages}, size {stored.codebook_size})"
+            )
+    length, archived = int(attrs["serving_length"]), int(attrs["serving_archived"])
+    have_codes, have_tokens = len(codes_view), len(tokens)
+    if have_codes < archived or have_tokens < length:
+        raise ValueError(
+            f"{ar!r}: the checkpoint needs {archived} code rows and {length} tokens, the "
+            f"streams hold {have_codes} and {have_tokens}"
+        )
+    vocab = int(tokens.alphabet_size)
+    if vocab != _vocab_size(model):
+        raise ValueError(f"token stream alphabet {vocab} != model vocabulary {_vocab_size(model)}")
+    cache = CodesOnlyCache(
+        model,
+        stored,
+        sinks=int(attrs["sinks"]),
+        recent=int(attrs["recent"]),
+        rewind=int(attrs["serving_rewind"]),
+        backend=backend,
+    )
+    if length == 0:
+        return cache
+    device = _model_device(model)
+    dtype = _DTYPES[str(attrs["serving_dtype"])]
+    window = [
+        torch.from_numpy(np.asarray(ar.get_array(n))).to(device=device, dtype=dtype)
+        for n in _WINDOW
+    ]
+    kc, vc = stored.rows_to_codes(codes_view.read(0, archived))
+    tail_start = int(attrs["serving_tail_start"])
+
+    def codes(c):
+        return torch.from_numpy(np.ascontiguousarray(c))[None].to(
+            device=device, dtype=stored.code_dtype
+        )
+
+    for li, layer in enumerate(cache.layers):
+        layer.load_state(
+            (window[0][li][None], window[1][li][None]),
+            (codes(kc[li]), codes(vc[li])),
+            (window[2][li][None], window[3][li][None]),
+            length=length,
+            tail_start=tail_start,
+        )
+    return cache

@@ -1,0 +1,69 @@
+"""Shared pieces of the serving tests: random codebooks, paired caches, a dense oracle."""
+
+from __future__ import annotations
+
+import pytest
+from adapters_fixtures import TINY_MODELS, torch
+
+from model_adapters.adapters import kv_shape
+from model_adapters.hf_cache import ArchivingCache, cache_kwarg
+from model_adapters.quantizer import KVQuantizer
+from model_adapters.serving import CodesOnlyCache, use_codes_attention
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run many small ops: one thread beats two, and does not fight other
+    processes for the cores (with two threads these tests ran ten times slower on a busy VM)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def random_quantizer(model, key_stages=2, value_stages=2, k=16, seed=0) -> KVQuantizer:
+    shape = kv_shape(model)
+    g = torch.Generator().manual_seed(seed)
+
+    def books(stages):
+        return 0.5 * torch.randn(
+            shape.num_layers, shape.kv_heads, stages, k, shape.head_dim, generator=g
+        )
+
+    return KVQuantizer(shape, books(key_stages), books(value_stages))
+
+
+def model_pair(arch: str, dtype=torch.float32):
+    """The same tiny model twice: one on SDPA (archiving cache), one on the codes attention."""
+    ref = TINY_MODELS[arch]().to(dtype)
+    codes = use_codes_attention(TINY_MODELS[arch]().to(dtype))
+    return ref, codes
+
+
+def step_logits(model, cache, ids: torch.Tensor, prefill: int, chunk: int = 1) -> torch.Tensor:
+    """Logits of a prefill of ``prefill`` tokens, then chunks of ``chunk`` tokens."""
+    kw = cache_kwarg(model)
+    out = []
+    with torch.no_grad():
+        out.append(model(ids[:, :prefill], **{kw: cache}).logits)
+        for t in range(prefill, ids.shape[1], chunk):
+            out.append(model(ids[:, t : t + chunk], **{kw: cache}).logits)
+    return torch.cat(out, 1)
+
+
+def caches(ref, model, q, **window):
+    return ArchivingCache(ref.config, q, **window), CodesOnlyCache(model, q, **window)
+
+
+def dense_attention(query, keys, values, mask, scale):
+    """Oracle: softmax(q k^T * scale + mask) v in float64, GQA by repeating kv heads.
+
+    query ``(b, qh, q, d)``; keys/values ``(b, kvh, n, d)``; mask bool ``(b, 1, q, n)`` or None.
+    """
+    group = query.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, 1)
+    v = values.double().repeat_interleave(group, 1)
+    scores = query.double() @ k.transpose(-1, -2) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, -1) @ v

@@ -1,0 +1,121 @@
+"""Rewinding the codes-only cache: crop then continue is a fresh run; refusals change nothing."""
+
+from __future__ import annotations
+
+import pytest
+from adapters_fixtures import torch
+from serving_fixtures import (
+    model_pair,
+    one_thread,  # noqa: F401 (autouse)
+    random_quantizer,
+    step_logits,
+)
+
+from model_adapters.code_rows import CodeRows
+from model_adapters.hf_cache import cache_kwarg
+from model_adapters.serving import CodesOnlyCache
+
+IDS = torch.randint(2, 100, (2, 44), generator=torch.Generator().manual_seed(7))
+WINDOW = dict(sinks=2, recent=5, rewind=4)
+
+
+def run(model, cache, upto, start=0, prefill=12):
+    """Feed ``IDS[:, start:upto]`` (a prefill of ``prefill`` tokens first when start is 0)."""
+    kw = cache_kwarg(model)
+    out = []
+    with torch.no_grad():
+        first = start
+        if start == 0:
+            out.append(model(IDS[:, :prefill], **{kw: cache}).logits)
+            first = prefill
+        for t in range(first, upto):
+            out.append(model(IDS[:, t : t + 1], **{kw: cache}).logits)
+    return torch.cat(out, 1)
+
+
+def snapshot(cache):
+    state = []
+    for layer in cache.layers:
+        state.append((layer.length, layer.archived_end, layer.tail_start))
+        state += [t.clone() for ts in layer.tensors().values() for t in ts]
+    return state
+
+
+def same(a, b):
+    if len(a) != len(b):
+        return False
+    pairs = zip(a, b, strict=True)
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in pairs)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+@pytest.mark.parametrize("back", [1, 4])
+def test_crop_then_continue_equals_fresh_run(arch, back):
+    _, model = model_pair(arch)
+    q = random_quantizer(model)
+    cropped = CodesOnlyCache(model, q, **WINDOW)
+    run(model, cropped, 30)
+    cropped.crop(-back)  # e.g. rejected draft tokens
+    assert cropped.get_seq_length() == 30 - back
+    fresh = CodesOnlyCache(model, q, **WINDOW)
+    run(model, fresh, 30 - back)
+    assert cropped.archived_tokens == fresh.archived_tokens == 30 - back - 7
+    got = run(model, cropped, 44, start=30 - back)
+    want = run(model, fresh, 44, start=30 - back)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_crop_into_the_sinks_then_continue(arch):
+    _, model = model_pair(arch)
+    q = random_quantizer(model)
+    cache = CodesOnlyCache(model, q, sinks=6, recent=3, rewind=0)
+    run(model, cache, 20, prefill=4)  # same chunks as the fresh run: bitwise comparable
+    cache.crop(4)  # positive: keep the first 4 (all sinks, nothing archived any more)
+    assert cache.get_seq_length() == 4 and cache.archived_tokens == 0
+    fresh = CodesOnlyCache(model, q, sinks=6, recent=3, rewind=0)
+    run(model, fresh, 4, prefill=4)
+    got = run(model, cache, 30, start=4)
+    want = run(model, fresh, 30, start=4)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_refused_crops_change_nothing():
+    _, model = model_pair("qwen3")
+    q = random_quantizer(model)
+    cache = CodesOnlyCache(model, q, **WINDOW)
+    twin = CodesOnlyCache(model, q, **WINDOW)
+    run(model, cache, 30)
+    run(model, twin, 30)
+    before = snapshot(cache)
+    # archived end is 25 and exact K/V is held from 21: the shortest legal length is 26
+    with pytest.raises(ValueError, match="crop to at least 26"):
+        cache.crop(-5)
+    with pytest.raises(ValueError, match="holds only 30"):
+        cache.crop(31)
+    with pytest.raises(ValueError, match="cannot remove 31"):
+        cache.crop(-31)
+    with pytest.raises(TypeError, match="int"):
+        cache.crop(2.0)
+    cache.crop(0)
+    assert same(snapshot(cache), before)
+    # still the same computation as an untouched twin
+    torch.testing.assert_close(
+        run(model, cache, 36, start=30), run(model, twin, 36, start=30), rtol=0, atol=0
+    )
+
+
+def test_crop_refuses_to_take_back_collected_rows():
+    _, model = model_pair("gpt2")
+    q = random_quantizer(model)
+    cache = CodesOnlyCache(model, q, **WINDOW, rows=CodeRows(2))
+    one = IDS[:1]
+    step_logits(model, cache, one[:, :20], 12)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="rows collector"):
+        cache.crop(-2)
+    assert same(snapshot(cache), before)
+    short = CodesOnlyCache(model, q, **WINDOW, rows=CodeRows(2))
+    step_logits(model, short, one[:, :6], 6)  # nothing archived yet: nothing to take back
+    short.crop(-2)
+    assert short.get_seq_length() == 4 and short.rows.emitted == 0

@@ -1,0 +1,35 @@
+"""The codes-only cache decoding through the Triton kernel, run by Triton's CPU interpreter.
+
+Needs ``TRITON_INTERPRET=1`` from process start (see ``test_kernels_interpreted.py``);
+``test_serving_cache.py::test_triton_path_under_the_interpreter`` starts such a process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 from process start", allow_module_level=True)
+
+from adapters_fixtures import TINY_MODELS, torch  # noqa: E402
+from serving_fixtures import (  # noqa: E402
+    one_thread,  # noqa: E402, F401 (autouse)
+    random_quantizer,
+    step_logits,
+)
+
+from model_adapters.serving import CodesOnlyCache, use_codes_attention  # noqa: E402
+
+
+def test_triton_decode_matches_the_torch_path():
+    # Qwen3: grouped queries and RoPE'd keys (GPT-2's plain heads take the same kernel path)
+    model = use_codes_attention(TINY_MODELS["qwen3"]().to(torch.bfloat16))
+    q = random_quantizer(model)
+    ids = torch.randint(2, 100, (2, 25), generator=torch.Generator().manual_seed(5))
+    window = dict(sinks=2, recent=4)
+    want = step_logits(model, CodesOnlyCache(model, q, backend="torch", **window), ids, 22)
+    got = step_logits(model, CodesOnlyCache(model, q, backend="triton", **window), ids, 22)
+    want, got = want.float(), got.float()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
