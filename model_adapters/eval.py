@@ -33,14 +33,24 @@ __all__ = ["build_parser", "main", "run"]
 _DEFAULT_TEXT = "the_time_machine.txt (bundled with fkvstore)"
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's layout; adds a default only where the help names none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m model_adapters.eval",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__,
         epilog="Configs: exact | {pooled|perhead}-k{K}-s{S}[-keysonly|-valuesonly] | "
         "{pooled|perhead}-k{K}-K{a}V{b} | hybrid-k256-K4V2 (= perhead-k256-K4V2) | all "
         f"({', '.join(ALL_CONFIGS)}).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--model", required=True, help="local checkpoint directory with its tokenizer")
     p.add_argument(

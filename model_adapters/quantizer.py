@@ -12,7 +12,7 @@ import torch
 
 from model_adapters.adapters import KVShape
 from model_adapters.configs import QuantConfig
-from model_adapters.rvq import centroid_norms, code_dtype, decode, encode, train_rvq
+from model_adapters.rvq import code_dtype, decode, encode, stage_tables, train_rvq
 
 __all__ = ["KVQuantizer", "train_kv_quantizer"]
 
@@ -56,9 +56,9 @@ class KVQuantizer:
             else torch.as_tensor(value_codebooks, dtype=torch.float32)
         )
         self.codebook_size = sizes.pop() if sizes else 0
-        # squared centroid norms, reused by every encode of a step
-        self._norms = [
-            None if b is None else torch.stack([centroid_norms(layer) for layer in b])
+        # per-stage tables, prepared once and reused by every step's encode
+        self._tables = [
+            None if b is None else [stage_tables(layer) for layer in b]
             for b in (self.key_codebooks, self.value_codebooks)
         ]
 
@@ -101,13 +101,13 @@ class KVQuantizer:
         batch, heads, n, _ = keys.shape
         out = []
         sides = zip(
-            (self.key_codebooks, self.value_codebooks), (keys, values), self._norms, strict=True
+            (self.key_codebooks, self.value_codebooks), (keys, values), self._tables, strict=True
         )
-        for books, x, norms in sides:
+        for books, x, tables in sides:
             if books is None:
                 out += [torch.zeros(batch, heads, n, 0, dtype=self.code_dtype, device=x.device), x]
             else:
-                out += list(encode(x, books[layer], norms[layer]))
+                out += list(encode(x, books[layer], tables[layer]))
         return tuple(out)
 
     def decode(

@@ -8,11 +8,13 @@ codebook repeated over ``kv_heads``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from model_adapters.kmeans import assign, kmeans
 
-__all__ = ["centroid_norms", "code_dtype", "decode", "encode", "train_rvq"]
+__all__ = ["StageTables", "code_dtype", "decode", "encode", "stage_tables", "train_rvq"]
 
 
 def code_dtype(codebook_size: int) -> torch.dtype:
@@ -100,20 +102,41 @@ def train_rvq(
     return books
 
 
+class StageTables(NamedTuple):
+    """Per-stage views of one codebook set, prepared once for repeated encoding.
+
+    Attributes:
+        books: per stage ``(kv_heads, codebook_size, head_dim)`` float32, contiguous.
+        norms: per stage ``(kv_heads, codebook_size, 1)`` squared centroid norms.
+    """
+
+    books: list[torch.Tensor]
+    norms: list[torch.Tensor]
+
+
+def stage_tables(codebooks: torch.Tensor) -> StageTables:
+    """Prepare ``(kv_heads, stages, codebook_size, head_dim)`` codebooks for :func:`encode`."""
+    _check_codebooks(codebooks)
+    cb = codebooks.to(torch.float32)
+    books = [cb[:, s].contiguous() for s in range(cb.shape[1])]
+    return StageTables(books, [(b * b).sum(-1, keepdim=True) for b in books])
+
+
 def encode(
-    x: torch.Tensor, codebooks: torch.Tensor, c_sq: torch.Tensor | None = None
+    x: torch.Tensor, codebooks: torch.Tensor, tables: StageTables | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual-VQ codes and reconstruction of vectors.
 
     Args:
         x: ``(batch, kv_heads, seq, head_dim)`` float (any float dtype; computed in float32).
         codebooks: ``(kv_heads, stages, codebook_size, head_dim)`` float32.
-        c_sq: ``(kv_heads, stages, codebook_size)`` squared centroid norms, if precomputed
-            (:func:`centroid_norms`); saves work when encoding a few vectors at a time.
+        tables: :func:`stage_tables` of ``codebooks`` on ``x``'s device, if prepared already
+            (saves work when encoding a few vectors at a time).
 
     Returns:
         ``(codes, reconstruction)``: ``(batch, kv_heads, seq, stages)`` in
         :func:`code_dtype` and ``(batch, kv_heads, seq, head_dim)`` in ``x``'s dtype.
+        Memory: one ``(kv_heads, batch * seq, codebook_size)`` float32 score block per stage.
     """
     _check_codebooks(codebooks)
     heads, stages, k, dim = codebooks.shape
@@ -122,28 +145,29 @@ def encode(
             f"x must be (batch, {heads}, seq, {dim}) to match codebooks {tuple(codebooks.shape)}, "
             f"got {tuple(x.shape)}"
         )
+    if tables is None:
+        tables = stage_tables(codebooks.to(x.device))
     batch, _, seq, _ = x.shape
-    cb = codebooks.to(device=x.device, dtype=torch.float32)
     residual = x.to(torch.float32).permute(1, 0, 2, 3).reshape(heads, batch * seq, dim)
     recon = None
     codes = []
     for s in range(stages):
-        idx, _ = assign(residual, cb[:, s], None if c_sq is None else c_sq[:, s], with_dist=False)
-        picked = torch.gather(cb[:, s], 1, idx.unsqueeze(-1).expand(-1, -1, dim))
+        # ||x||^2 is constant per vector, so the argmin only needs ||c||^2 - 2 c.x; codebook
+        # rows times vectors (not vectors times a transposed codebook) reads the codebook once,
+        # in order, which is what a decode step is bound by
+        score = torch.baddbmm(
+            tables.norms[s], tables.books[s], residual.transpose(1, 2), alpha=-2.0
+        )
+        idx = score.min(dim=1)[1]
+        picked = torch.gather(tables.books[s], 1, idx.unsqueeze(-1).expand(-1, -1, dim))
         if s + 1 < stages:
             residual = residual - picked
         # 0 + c0 + c1 + ... in the same order as decode, so both give identical floats
         recon = picked if recon is None else recon + picked
         codes.append(idx)
-    codes_t = torch.stack(codes, -1).reshape(heads, batch, seq, stages).permute(1, 0, 2, 3)
-    recon = recon.reshape(heads, batch, seq, dim).permute(1, 0, 2, 3)
+    codes_t = torch.stack(codes, -1).view(heads, batch, seq, stages).permute(1, 0, 2, 3)
+    recon = recon.view(heads, batch, seq, dim).permute(1, 0, 2, 3)
     return codes_t.to(code_dtype(k)).contiguous(), recon.to(x.dtype).contiguous()
-
-
-def centroid_norms(codebooks: torch.Tensor) -> torch.Tensor:
-    """Squared norms ``(kv_heads, stages, codebook_size)`` float32 of codebook centroids."""
-    cb = codebooks.to(torch.float32)
-    return (cb * cb).sum(-1)
 
 
 def decode(codes: torch.Tensor, codebooks: torch.Tensor, dtype: torch.dtype = torch.float32):

@@ -89,9 +89,7 @@ class CodesOnlyLayer(CacheLayerMixin):
         empty = key_states.new_zeros(b, h, 0, d)
         self.head_k = self.head_v = self.tail_k = self.tail_v = empty
         q = self.cache.quantizer
-        self.key_codes = torch.zeros(
-            b, h, 0, q.key_stages, dtype=q.code_dtype, device=self.device
-        )
+        self.key_codes = torch.zeros(b, h, 0, q.key_stages, dtype=q.code_dtype, device=self.device)
         self.value_codes = torch.zeros(
             b, h, 0, q.value_stages, dtype=q.code_dtype, device=self.device
         )
@@ -193,9 +191,7 @@ class CodesOnlyLayer(CacheLayerMixin):
         ks, vs = [self.head_k.to(dtype)], [self.head_v.to(dtype)]
         if n:
             ks.append(decode(self.key_codes[:, :, :n], q.key_codebooks[self.layer_idx], dtype))
-            vs.append(
-                decode(self.value_codes[:, :, :n], q.value_codebooks[self.layer_idx], dtype)
-            )
+            vs.append(decode(self.value_codes[:, :, :n], q.value_codebooks[self.layer_idx], dtype))
         ks.append(self.tail_k[:, :, cut:].to(dtype))
         vs.append(self.tail_v[:, :, cut:].to(dtype))
         return torch.cat(ks, 2), torch.cat(vs, 2)

@@ -67,15 +67,16 @@ class ServingArchive:
     :meth:`close` writes a checkpoint first when the archive is writable.
     """
 
-    def __init__(self, ar, cache: CodesOnlyCache, model, *, tokenizer=None, views=None,
-                 parents=()):
+    def __init__(self, ar, cache: CodesOnlyCache, model, *, tokenizer=None, views=None, parents=()):
         self.archive = ar
         self.cache = cache
         self.tokenizer = tokenizer
         self.fingerprint = config_fingerprint(model)
         self.writable = bool(getattr(ar, "writable", True))
-        self.codes, self.tokens = views or (ChainedStream(ar[CODES_STREAM]),
-                                            ChainedStream(ar[TOKENS_STREAM]))
+        self.codes, self.tokens = views or (
+            ChainedStream(ar[CODES_STREAM]),
+            ChainedStream(ar[TOKENS_STREAM]),
+        )
         self._parents = list(parents)  # read-only parent archives, closed with this one
         self._index = None
         cache.archive_hooks.append(self)
@@ -278,8 +279,9 @@ def create(
     mode: str = "w-",
 ) -> ServingArchive:
     """A new archive at ``path`` and an empty codes-only cache writing to it (batch 1)."""
-    cache = CodesOnlyCache(model, quantizer, sinks=sinks, recent=recent, rewind=rewind,
-                           backend=backend)
+    cache = CodesOnlyCache(
+        model, quantizer, sinks=sinks, recent=recent, rewind=rewind, backend=backend
+    )
     ar, codes = open_for_writing(path, model, quantizer, sinks=sinks, recent=recent, mode=mode)
     ar.create_stream(TOKENS_STREAM, alphabet_size=_vocab_size(model), width=1)
     cache.rows = CodeRows(kv_shape(model).num_layers, sink=codes.extend)
@@ -325,8 +327,9 @@ def resume(
         tokens.truncate(length)
         cache.rows = CodeRows(cache.shape.num_layers, sink=codes_view.extend)
         cache.rows.emitted = archived
-    return ServingArchive(ar, cache, model, tokenizer=tokenizer, views=(codes_view, tokens),
-                          parents=opened[1:])
+    return ServingArchive(
+        ar, cache, model, tokenizer=tokenizer, views=(codes_view, tokens), parents=opened[1:]
+    )
 
 
 def _open_chain(path, mode, model, opened):
@@ -344,12 +347,16 @@ def _open_chain(path, mode, model, opened):
     for side in ("key_codebooks", "value_codebooks"):
         if not torch.equal(getattr(mine, side), getattr(theirs, side)):
             raise ValueError(f"{ar!r} and its parent {parent!r} hold different codebooks")
-    return (ar, ChainedStream(ar[CODES_STREAM], p_codes, int(attrs["parent_archived"])),
-            ChainedStream(ar[TOKENS_STREAM], p_tokens, int(attrs["parent_tokens"])))
+    return (
+        ar,
+        ChainedStream(ar[CODES_STREAM], p_codes, int(attrs["parent_archived"])),
+        ChainedStream(ar[TOKENS_STREAM], p_tokens, int(attrs["parent_tokens"])),
+    )
 
 
-def fork(parent_path, path, model, *, backend: str = "auto", tokenizer=None,
-         mode: str = "w-") -> ServingArchive:
+def fork(
+    parent_path, path, model, *, backend: str = "auto", tokenizer=None, mode: str = "w-"
+) -> ServingArchive:
     """A new archive at ``path`` continuing ``parent_path`` from its last checkpoint.
 
     The new file holds the codebooks, the identity attributes and what is written after the
@@ -361,8 +368,9 @@ def fork(parent_path, path, model, *, backend: str = "auto", tokenizer=None,
     cache = parent.cache
     cache.archive_hooks.remove(parent)
     try:
-        ar, own_codes = open_for_writing(path, model, cache.quantizer, sinks=cache.sinks,
-                                         recent=cache.recent, mode=mode)
+        ar, own_codes = open_for_writing(
+            path, model, cache.quantizer, sinks=cache.sinks, recent=cache.recent, mode=mode
+        )
     except BaseException:
         parent.close()
         raise
@@ -371,12 +379,20 @@ def fork(parent_path, path, model, *, backend: str = "auto", tokenizer=None,
     ar.attrs["parent_tokens"] = len(parent.tokens)
     ar.attrs["parent_archived"] = cache.archived_tokens
     own_tokens = ar.create_stream(TOKENS_STREAM, alphabet_size=_vocab_size(model), width=1)
-    views = (ChainedStream(own_codes, parent.codes, cache.archived_tokens),
-             ChainedStream(own_tokens, parent.tokens, len(parent.tokens)))
+    views = (
+        ChainedStream(own_codes, parent.codes, cache.archived_tokens),
+        ChainedStream(own_tokens, parent.tokens, len(parent.tokens)),
+    )
     cache.rows = CodeRows(cache.shape.num_layers, sink=views[0].extend)
     cache.rows.emitted = cache.archived_tokens
-    return ServingArchive(ar, cache, model, tokenizer=tokenizer or parent.tokenizer,
-                          views=views, parents=[parent.archive, *parent._parents])
+    return ServingArchive(
+        ar,
+        cache,
+        model,
+        tokenizer=tokenizer or parent.tokenizer,
+        views=views,
+        parents=[parent.archive, *parent._parents],
+    )
 
 
 def _rebuild(ar, model, quantizer, backend, codes_view, tokens) -> CodesOnlyCache:

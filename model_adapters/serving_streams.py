@@ -49,8 +49,9 @@ class ChainedStream:
         if start < self.base:
             parts.append(np.asarray(self.parent.read(start, min(stop, self.base))))
         if stop > self.base:
-            parts.append(np.asarray(self.own.read(max(start, self.base) - self.base,
-                                                  stop - self.base)))
+            parts.append(
+                np.asarray(self.own.read(max(start, self.base) - self.base, stop - self.base))
+            )
         if not parts:
             return np.asarray(self.own.read(0, 0))
         return np.concatenate(parts).astype(np.int64, copy=False)
