@@ -97,11 +97,15 @@ def grid_decode(points, first_span, length, start, stop, span, bits, alphabet_si
             y = np.int64(fy)
             if x != fx or y != fy:
                 return s * 8 + BAD_FRACTION
-            for i in range(lo, hi):
-                c = ((x >> (bits * i)) & mask) | (((y >> (bits * i)) & mask) << bits)
+            x >>= bits * lo
+            y >>= bits * lo
+            for i in range(base + lo - start, base + hi - start):
+                c = (x & mask) | ((y & mask) << bits)
                 if c >= alphabet_size:
                     return s * 8 + BAD_SYMBOL
-                out[base + i - start, w] = c
+                out[i, w] = c
+                x >>= bits
+                y >>= bits
         s += 1
     return -1
 
