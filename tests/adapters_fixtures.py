@@ -118,3 +118,13 @@ def tiny_checkpoint(tmp_path_factory):
     book = d / "book.txt"
     book.write_text(make_book(), encoding="utf-8")
     return d, book
+
+
+def tiny_eval_args(model_dir, book, json_out, configs, *extra) -> list[str]:
+    """Arguments of ``python -m model_adapters.eval`` for a fast run on a tiny checkpoint."""
+    args = ["--model", str(model_dir), "--text", str(book), "--tokens", "64",
+            "--train-tokens", "600", "--sinks", "2", "--recent", "8", "--kmeans-iters", "3",
+            "--json", str(json_out), "--no-progress"]
+    for config in configs:
+        args += ["--config", config]
+    return args + [str(e) for e in extra]

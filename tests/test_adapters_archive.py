@@ -6,7 +6,13 @@ import json
 
 import numpy as np
 import pytest
-from adapters_fixtures import TINY_MODELS, random_quantizer, tiny_checkpoint, torch  # noqa: F401
+from adapters_fixtures import (  # noqa: F401
+    TINY_MODELS,
+    random_quantizer,
+    tiny_checkpoint,
+    tiny_eval_args,
+    torch,
+)
 
 from model_adapters import archive_io
 from model_adapters import eval as adapters_eval
@@ -76,33 +82,8 @@ def test_archive_from_another_model_config_is_refused(tmp_path):
 def test_cli_writes_real_archives(tiny_checkpoint, tmp_path):  # noqa: F811
     model_dir, book = tiny_checkpoint
     out, adir = tmp_path / "res.json", tmp_path / "archives"
-    rc = adapters_eval.main(
-        [
-            "--model",
-            str(model_dir),
-            "--text",
-            str(book),
-            "--tokens",
-            "64",
-            "--train-tokens",
-            "600",
-            "--config",
-            "perhead-k16-s2",
-            "--config",
-            "perhead-k16-s1-valuesonly",
-            "--sinks",
-            "2",
-            "--recent",
-            "8",
-            "--kmeans-iters",
-            "3",
-            "--json",
-            str(out),
-            "--archive-dir",
-            str(adir),
-            "--no-progress",
-        ]
-    )
+    configs = ["perhead-k16-s2", "perhead-k16-s1-valuesonly"]
+    rc = adapters_eval.main(tiny_eval_args(model_dir, book, out, configs, "--archive-dir", adir))
     assert rc == 0
     rows = {r["config"]: r for r in json.loads(out.read_text())["configs"]}
     fp16 = 2 * 4 * 16 * 2 * 2

@@ -5,7 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from adapters_fixtures import TOKENIZER_DIR, make_book, tiny_checkpoint, transformers  # noqa: F401
+from adapters_fixtures import (  # noqa: F401
+    TOKENIZER_DIR,
+    make_book,
+    tiny_checkpoint,
+    tiny_eval_args,
+    transformers,
+)
 
 from model_adapters import eval as adapters_eval
 from model_adapters.configs import ALL_CONFIGS, expand_configs, parse_config
@@ -99,33 +105,8 @@ def test_split_passage_and_training_span_are_disjoint():
 def test_cli_end_to_end(tiny_checkpoint, tmp_path, capsys):  # noqa: F811
     model_dir, book = tiny_checkpoint
     out = tmp_path / "res.json"
-    rc = adapters_eval.main(
-        [
-            "--model",
-            str(model_dir),
-            "--text",
-            str(book),
-            "--tokens",
-            "64",
-            "--train-tokens",
-            "600",
-            "--config",
-            "perhead-k16-s2",
-            "--config",
-            "pooled-k16-s1",
-            "--config",
-            "perhead-k16-s2-keysonly",
-            "--sinks",
-            "2",
-            "--recent",
-            "8",
-            "--kmeans-iters",
-            "3",
-            "--json",
-            str(out),
-            "--no-progress",
-        ]
-    )
+    configs = ["perhead-k16-s2", "pooled-k16-s1", "perhead-k16-s2-keysonly"]
+    rc = adapters_eval.main(tiny_eval_args(model_dir, book, out, configs))
     assert rc == 0
     table = capsys.readouterr().out
     assert "| perhead-k16-s2 |" in table and "| exact |" in table
