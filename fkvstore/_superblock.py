@@ -25,6 +25,7 @@ The superblock sits at byte 0, or at 512, 1024, 2048, ... when the file has a us
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from dataclasses import dataclass
@@ -162,9 +163,18 @@ def clear_status_flags(path: str | os.PathLike) -> bool:
     changed = False
     with open(path, "r+b") as fh:
         if sb.status_flags:
+            # A writer that died inside a flush may have written chunk-index entries for space
+            # it allocated past the recorded end of file (the superblock is written last). HDF5
+            # would hand that space out again and two chunks would share bytes, so the recorded
+            # end of file is moved past everything the file holds.
             fh.seek(sb.offset)
             block = bytearray(fh.read(sb.size))
             block[11] = 0
+            o = block[9]
+            real_end = os.fstat(fh.fileno()).st_size - sb.base_address
+            if real_end > sb.eof_address:
+                block[12 + 2 * o : 12 + 3 * o] = real_end.to_bytes(o, "little")
+                sb = dataclasses.replace(sb, eof_address=real_end)
             block[-4:] = lookup3(bytes(block[:-4])).to_bytes(4, "little")
             fh.seek(sb.offset)
             fh.write(block)

@@ -67,6 +67,29 @@ def test_clear_flags_lets_hdf5_open_a_dead_writers_file(tmp_path, swmr):
     assert clear_status_flags(path) is False  # nothing left to do
 
 
+def test_space_a_dead_writer_wrote_past_the_recorded_end_is_never_handed_out_again(tmp_path):
+    """A writer killed inside a flush can leave chunks (and index entries naming them) past the
+    end of file its superblock records; recovery must keep HDF5 from allocating over them."""
+    path = tmp_path / "dead.h5"
+    _killed_writer(path, True)
+    sb = read_superblock(path)
+    size = os.path.getsize(path)
+    assert sb.base_address + sb.eof_address <= size
+    marker = bytes(range(256)) * 64
+    with open(path, "ab") as fh:  # what the dead writer wrote beyond the recorded end
+        fh.write(marker)
+    assert clear_status_flags(path) is True
+    sb = read_superblock(path)
+    assert sb.base_address + sb.eof_address == size + len(marker)
+    with h5py.File(path, "a", locking=False) as f:  # new allocations land after the marker
+        f.create_dataset("y", data=np.arange(4096), chunks=(512,))
+        f["x"].resize((5000,))
+        f["x"][100:] = 7
+    with open(path, "rb") as fh:
+        fh.seek(size)
+        assert fh.read(len(marker)) == marker
+
+
 def test_file_shorter_than_its_superblock_says(tmp_path):
     path = tmp_path / "a.h5"
     with fkvstore.open(path, "w") as ar:
