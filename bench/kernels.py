@@ -270,10 +270,10 @@ SWEPT = [("qwen3-8b", (2, 2), 32768, 1), ("qwen3-8b", (4, 2), 65536, 8),
          ("qwen3-8b", (2, 2), 131072, 32), ("gpt2", (2, 2), 32768, 1),
          ("gpt2", (4, 2), 131072, 8)]
 # (warps, pipelining stages, positions per step as a multiple of the default)
-TUNINGS = [(4, None, 1), (8, None, 1), (4, 1, 1), (8, None, 2)]
+TUNINGS = [(4, 1, 1), (8, 1, 1), (4, 2, 1), (4, 1, 0.5)]
 
 
-def sweep_splits(device, waves=(2, 4, 8, 16)):
+def sweep_splits(device, waves=(2, 4, 8)):
     """CUDA-graph time of the one-hot kernel over split counts and tunings on a few configs."""
     import torch
 
@@ -288,7 +288,9 @@ def sweep_splits(device, waves=(2, 4, 8, 16)):
         for wave in waves:
             splits = _rvq_onehot.choose_num_splits(problem, waves=wave)
             for nw, ns, n_mult in TUNINGS:
-                def fn(splits=splits, nw=nw, ns=ns, bn=base_n * n_mult, problem=problem):
+                bn = max(16, int(base_n * n_mult))
+
+                def fn(splits=splits, nw=nw, ns=ns, bn=bn, problem=problem):
                     return _rvq_onehot.decode(problem, num_splits=splits, num_warps=nw,
                                               num_stages=ns, block_n=bn)
 
@@ -301,9 +303,9 @@ def sweep_splits(device, waves=(2, 4, 8, 16)):
                 rows.append({"shape": name, "key_stages": stages[0], "value_stages": stages[1],
                              "context": context, "batch": batch, "waves": wave,
                              "num_splits": splits, "num_warps": nw, "num_stages": ns,
-                             "block_n": base_n * n_mult, "graph_ms": ms})
+                             "block_n": bn, "graph_ms": ms})
                 print(f"sweep {name} {stages} ctx={context} b={batch} waves={wave} "
-                      f"splits={splits} warps={nw} stages={ns} block_n={base_n * n_mult}: "
+                      f"splits={splits} warps={nw} stages={ns} block_n={bn}: "
                       f"{fmt(ms)} ms", flush=True)
         del case, problem
         torch.cuda.empty_cache()
@@ -325,7 +327,9 @@ def print_table(data, min_context=0):
     head = ("shape", "K+V stages", "context", "batch", "RVQ ms", "SDPA ms", "flash ms",
             "x SDPA", "x flash", "RVQ graph ms", "SDPA graph ms", "x SDPA graph",
             "atomic graph ms", "x atomic graph", "B/token RVQ", "B/token dense",
-            "RVQ roofline ms")
+            "RVQ roofline ms", "default", "x SDPA graph, default")
+    from kernels._rvq_triton import variant_for_group
+
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in data["results"]:
@@ -341,6 +345,10 @@ def print_table(data, min_context=0):
                  fmt(atomic / r["rvq_graph_ms"] if atomic and r["rvq_graph_ms"] else None, 2),
                  fmt(r["rvq_bytes"] / tokens, 1), fmt(r["dense_bytes"] / tokens, 0),
                  fmt(r["rvq_bytes"] / bw * 1e3, 4)]
+        shape = SHAPES[r["shape"]]
+        default = variant_for_group(shape["q_heads"] // shape["kv_heads"])
+        ms = r["rvq_graph_ms"] if r["rvq_variant"] == default else r.get(f"{default}_graph_ms")
+        cells += [default, fmt(r["sdpa_graph_ms"] / ms if ms and r["sdpa_graph_ms"] else None, 2)]
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
 

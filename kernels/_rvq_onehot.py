@@ -15,15 +15,18 @@ Two launches per call:
 
        W[s, (g, hi), lo] += sum_n (p[g, n] * [hi_code[s, n] == hi]) * [lo_code[s, n] == lo]
 
-   is one batched matrix product per block whose operands are built with
-   ``heads * HI + LO`` comparisons per position and stage (instead of ``codebook_size``).
-   Each program finishes with the histogram times the value codebooks, and writes its partial
-   output with its softmax reference and weight sum (flash-decoding style).
+   is one batched matrix product per block. Both one-hot factors are rows of an identity
+   matrix read at the code, so per position and stage the kernel loads ``HI + LO`` entries
+   and multiplies ``heads * HI`` of them by the weights (instead of ``codebook_size``
+   comparisons). Each program finishes with the histogram times the value codebooks, and
+   writes its partial output with its softmax reference and weight sum (flash-decoding
+   style).
 2. ``_combine_kernel``: one program per (batch, query head) merges the partials.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -35,7 +38,7 @@ from kernels._validate import DecodeProblem
 
 MIN_CODEBOOK = 256  # codebooks are padded to at least 16 x 16 (tl.dot needs 16 rows and columns)
 MAX_ACC = 4096  # float32 histogram entries per program (registers)
-MAX_A = 4096  # entries of the left one-hot operand per block (more spills registers)
+MAX_OPERAND = 8192  # entries of either one-hot operand per block (16 KB of shared memory)
 MAX_TABLE_BYTES = 256 << 20  # scratch for the per-program score tables
 MAX_SPLITS = 1024
 REF_HEADROOM = tl.constexpr(8.0)  # weights up to 2^8 against the score bound (float16 safe)
@@ -64,50 +67,55 @@ def _exact_part(q, k_base, v_base, n_tokens, m, l, acc, k_sn, v_sn, d, d_ok, qk_
 
 
 @triton.jit
-def _weights_pass(tab, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
+def _weights_pass(tab, eye, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
                   KEY_STAGES: tl.constexpr, VALUE_STAGES: tl.constexpr,
                   VALUE_STAGES_P: tl.constexpr, KEY_CODEBOOK_P: tl.constexpr,
                   HI: tl.constexpr, LO: tl.constexpr, LO_BITS: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Value histogram, weight sum and largest score of positions [start, end) against the
-    reference ``m``: W[s, (g, hi), lo] += (p[g, n] [hi_code == hi]) @ [lo_code == lo]."""
+                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, EYE: tl.constexpr):
+    """Transposed value histogram, weight sum and largest score of positions [start, end)
+    against the reference ``m``:
+
+        W^T[s, lo, (g, hi)] += [lo_code == lo]^T @ (p[n, g] [hi_code == hi])
+
+    Both one-hot factors are rows of an identity matrix read at the code (``eye``, ``EYE``
+    columns): loads instead of comparisons, and the right operand is built with each
+    position's ``heads * HI`` entries side by side, so it reaches shared memory in wide stores.
+    """
     rows = tl.arange(0, BLOCK_G)
     hi_ar = tl.arange(0, HI)
     lo_ar = tl.arange(0, LO)
     vs = tl.arange(0, VALUE_STAGES_P)
-    acc = tl.zeros([VALUE_STAGES_P, BLOCK_G * HI, LO], tl.float32)
-    l = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
-    top = tl.full([BLOCK_G, BLOCK_N], float("-inf"), tl.float32)
+    acc = tl.zeros([VALUE_STAGES_P, LO, BLOCK_G * HI], tl.float32)
+    l = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+    top = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
-        score = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+        score = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         for s in tl.static_range(KEY_STAGES):
             code = tl.load(kc_base + n * kc_sn + s * kc_ss, mask=n_ok, other=0).to(tl.int32)
-            score += tl.load(tab + (s * BLOCK_G + rows[:, None]) * KEY_CODEBOOK_P
-                             + code[None, :])
-        score = tl.where(g_ok[:, None] & n_ok[None, :], score, float("-inf"))
+            score += tl.load(tab + (s * BLOCK_G + rows[None, :]) * KEY_CODEBOOK_P
+                             + code[:, None])
+        score = tl.where(n_ok[:, None] & g_ok[None, :], score, float("-inf"))
         top = tl.maximum(top, score)
-        p = tl.math.exp2(score - m[:, None]).to(tl.float16)
+        p = tl.math.exp2(score - m[None, :]).to(tl.float16)
         l += p.to(tl.float32)
-        # codes of padded stages and positions are -1: their high part matches no row
-        vcode = tl.load(vc_base + n[None, :] * vc_sn + vs[:, None] * vc_ss,
-                        mask=(vs[:, None] < VALUE_STAGES) & n_ok[None, :],
-                        other=-1).to(tl.int32)
-        hi_code = vcode >> LO_BITS
-        lo_code = vcode & (LO - 1)
-        left = tl.where(hi_code[:, None, None, :] == hi_ar[None, None, :, None],
-                        p[None, :, None, :], 0.0).to(tl.float16)
-        left = tl.reshape(left, (VALUE_STAGES_P, BLOCK_G * HI, BLOCK_N))
-        right = (lo_code[:, :, None] == lo_ar[None, None, :]).to(tl.float16)
-        acc = tl.dot(left, right, acc)
-    return acc, tl.sum(l, axis=1), tl.max(top, axis=1)
+        ok = (vs[:, None] < VALUE_STAGES) & n_ok[None, :]
+        vcode = tl.load(vc_base + n[None, :] * vc_sn + vs[:, None] * vc_ss, mask=ok,
+                        other=0).to(tl.int32)
+        hot_hi = tl.load(eye + (vcode >> LO_BITS)[:, :, None] * EYE + hi_ar[None, None, :],
+                         mask=ok[:, :, None], other=0.0)
+        right = tl.reshape(p[None, :, :, None] * hot_hi[:, :, None, :],
+                           (VALUE_STAGES_P, BLOCK_N, BLOCK_G * HI))
+        hot_lo = tl.load(eye + (vcode & (LO - 1))[:, :, None] * EYE + lo_ar[None, None, :])
+        acc = tl.dot(tl.trans(hot_lo, (0, 2, 1)), right, acc)
+    return acc, tl.sum(l, axis=0), tl.max(top, axis=0)
 
 
 @triton.jit
 def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                   sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr,
-                  tab_ptr, hist_ptr, o_ptr, ml_ptr, qk_scale,
+                  tab_ptr, hist_ptr, eye_ptr, o_ptr, ml_ptr, qk_scale,
                   q_sb, q_sh,
                   kcb_sh, kcb_ss, kcb_sc, vcb_sh, vcb_ss, vcb_sc,
                   kc_sb, kc_sh, kc_sn, kc_ss, vc_sb, vc_sh, vc_sn, vc_ss,
@@ -121,7 +129,7 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                   HI: tl.constexpr, LO: tl.constexpr, LO_BITS: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_B: tl.constexpr, TABLE_IEEE: tl.constexpr):
+                  BLOCK_B: tl.constexpr, TABLE_IEEE: tl.constexpr, EYE: tl.constexpr):
     split = tl.program_id(0)
     pid_bhg = tl.program_id(1)
     chunk = pid_bhg % GROUP_CHUNKS
@@ -193,24 +201,24 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                 bound += top
             m = bound - REF_HEADROOM
             acc, l, top = _weights_pass(
-                tab, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
+                tab, eye_ptr, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
                 KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO, LO_BITS,
-                BLOCK_G, BLOCK_N)
+                BLOCK_G, BLOCK_N, EYE)
             # float16 keeps full precision down to 2^-14: if the best position lies far below
             # the bound, the weights near it would lose digits; redo with the true maximum
             if tl.max(tl.where(g_ok, m - top, 0.0), axis=0) > REF_SLACK:
                 m = tl.where(g_ok, top, m)
                 acc, l, top = _weights_pass(
-                    tab, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
-                    KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO, LO_BITS,
-                    BLOCK_G, BLOCK_N)
+                    tab, eye_ptr, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn,
+                    vc_ss, KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO,
+                    LO_BITS, BLOCK_G, BLOCK_N, EYE)
 
             # histogram times value codebooks: [heads, stages * centroids] @ [.., head_dim]
             rows3 = tl.arange(0, BLOCK_G * HI)
             vs = tl.arange(0, VALUE_STAGES_P)
             lo_ar = tl.arange(0, LO)
-            tl.store(hist + vs[:, None, None] * (BLOCK_G * HI * LO) + rows3[None, :, None] * LO
-                     + lo_ar[None, None, :], acc)
+            tl.store(hist + vs[:, None, None] * (BLOCK_G * HI * LO) + lo_ar[None, :, None]
+                     + rows3[None, None, :] * LO, acc)
             tl.debug_barrier()
             for s in tl.static_range(VALUE_STAGES):
                 for c0 in range(0, VALUE_CODEBOOK, BLOCK_C):
@@ -271,35 +279,50 @@ def _floor_pow2(x: int) -> int:
 
 
 class Plan:
-    """Block sizes of the one-hot kernel for one problem shape (``None`` fields: unsupported)."""
+    """Block sizes of the one-hot kernel for one problem shape (``None`` fields: unsupported).
+
+    A code splits as ``c = hi * LO + lo``; per position and value stage the kernel reads an
+    identity row of ``LO`` entries and builds ``heads * HI`` weights, so ``LO`` near
+    ``sqrt(heads * codebook)`` balances the two. ``hi_bits`` and ``block_n`` override the
+    defaults (tuning).
+    """
 
     def __init__(self, group: int, value_stages: int, value_codebook: int, key_stages: int,
-                 key_codebook: int):
+                 key_codebook: int, hi_bits: int | None = None, block_n: int | None = None):
         self.value_stages_p = _pow2(value_stages)
         self.codebook_p = _pow2(value_codebook, MIN_CODEBOOK)
         self.key_codebook_p = _pow2(key_codebook)
         block_g = min(_pow2(group), max(1, MAX_ACC // (self.value_stages_p * self.codebook_p)))
         self.block_g = block_g
         bits = self.codebook_p.bit_length() - 1
-        # LO >= 16 columns and BLOCK_G * HI >= 16 rows (tl.dot); the low part near
-        # sqrt(heads * codebook) needs the fewest comparisons per position
-        max_lo_bits = bits - max(0, 4 - (block_g.bit_length() - 1))
-        lo_bits = round(math.log2(block_g * self.codebook_p) / 2)
-        self.lo_bits = max(4, min(max_lo_bits, lo_bits))
+        if hi_bits is None:
+            hi_bits = bits - round(math.log2(block_g * self.codebook_p) / 2)
+        # LO >= 16 rows and BLOCK_G * HI >= 16 columns (tl.dot)
+        min_hi_bits = max(0, 4 - (block_g.bit_length() - 1))
+        self.lo_bits = max(4, min(bits - min_hi_bits, bits - hi_bits))
         self.lo = 1 << self.lo_bits
         self.hi = self.codebook_p >> self.lo_bits
-        per_position = self.value_stages_p * block_g * self.hi
-        self.block_n = max(16, min(128, _floor_pow2(MAX_A // per_position)))
+        self.eye = max(self.hi, self.lo)  # the identity both one-hot factors are read from
+        if block_n is None:
+            per_position = self.value_stages_p * max(block_g * self.hi, self.lo)
+            block_n = max(16, min(128, _floor_pow2(MAX_OPERAND // per_position)))
+        self.block_n = block_n
         self.supported = self.value_stages_p * block_g * self.codebook_p <= MAX_ACC
 
     def table_floats(self, key_stages: int) -> int:
         return key_stages * self.block_g * self.key_codebook_p
 
 
-def plan_for(problem: DecodeProblem) -> Plan:
+def plan_for(problem: DecodeProblem, **tuning) -> Plan:
     return Plan(problem.q_heads // problem.kv_heads, problem.value_codebooks.shape[1],
                 problem.value_codebooks.shape[2], problem.key_codebooks.shape[1],
-                problem.key_codebooks.shape[2])
+                problem.key_codebooks.shape[2], **tuning)
+
+
+@functools.lru_cache(maxsize=16)
+def _identity(size: int, device: torch.device) -> torch.Tensor:
+    """The one-hot rows the kernel reads: ``[code == j]`` over ``j`` is row ``code``."""
+    return torch.eye(size, dtype=torch.float16, device=device)
 
 
 def supports(problem: DecodeProblem, num_splits: int | None = None) -> bool:
@@ -336,11 +359,13 @@ def choose_num_splits(problem: DecodeProblem, waves: int = SPLIT_WAVES) -> int:
 
 
 def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
-           num_stages: int | None = None, block_n: int | None = None) -> torch.Tensor:
+           num_stages: int = 1, block_n: int | None = None,
+           hi_bits: int | None = None) -> torch.Tensor:
     """Run the split and combine kernels on a validated problem; ``(batch, q_heads, head_dim)``.
 
-    ``num_stages`` (software pipelining depth) and ``block_n`` (positions per step, a power of
-    two >= 16) override the defaults, for tuning.
+    ``num_stages`` (software pipelining depth; 1, none, was fastest on the H200),
+    ``block_n`` (positions per step, a power of two >= 16) and ``hi_bits`` (see :class:`Plan`)
+    override the defaults, for tuning.
     """
     p = problem
     batch, q_heads, head_dim = p.query.shape
@@ -348,7 +373,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     group = q_heads // kv_heads
     key_stages, key_codebook = p.key_codebooks.shape[1:3]
     value_stages, value_codebook = p.value_codebooks.shape[1:3]
-    plan = plan_for(p)
+    plan = plan_for(p, hi_bits=hi_bits, block_n=block_n)
     if not plan.supported:
         raise ValueError(f"value_codebooks {tuple(p.value_codebooks.shape)}: the histogram "
                          f"does not fit the one-hot kernel")
@@ -357,7 +382,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
     capacity = p.key_codes.shape[2]
-    block_n = plan.block_n if block_n is None else block_n
+    block_n = plan.block_n
     split_len = max(block_n, math.ceil(max(capacity, 1) / num_splits / block_n) * block_n)
     num_splits = max(1, math.ceil(capacity / split_len))
     chunks = _chunks(p, plan)
@@ -384,7 +409,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     _split_kernel[(parts, batch * kv_heads * chunks)](
         p.query, kcb, vcb, kc, vc, p.archived_lengths,
         sk, sv, rk, rv, p.sink_lengths, p.recent_lengths,
-        tab, hist, o_part, ml_part, qk_scale,
+        tab, hist, _identity(plan.eye, device), o_part, ml_part, qk_scale,
         p.query.stride(0), p.query.stride(1),
         *kcb.stride()[:3], *vcb.stride()[:3],
         *kc.stride(), *vc.stride(),
@@ -397,8 +422,8 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
         HI=plan.hi, LO=plan.lo, LO_BITS=plan.lo_bits,
         BLOCK_G=plan.block_g, BLOCK_M=max(16, plan.block_g), BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_C=32, BLOCK_E=16, BLOCK_B=min(256, plan.key_codebook_p),
-        TABLE_IEEE=table_ieee,
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+        TABLE_IEEE=table_ieee, EYE=plan.eye,
+        num_warps=num_warps, num_stages=num_stages)
     out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=device)
     _combine_kernel[(batch * q_heads,)](
         o_part, ml_part, out, *o_part.stride()[:3], *ml_part.stride()[:3],

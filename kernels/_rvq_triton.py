@@ -309,13 +309,16 @@ DEFAULT_VARIANT = "auto"  # choose_variant per problem
 def choose_variant(problem: DecodeProblem) -> str:
     """The variant measured faster for this kind of problem (H200, ``docs/kernels.md``).
 
-    The one-hot kernel won at batch 1 with GQA groups (Qwen3-8B shapes: 1.05x to 1.6x the
-    atomic one, two launches instead of four); the atomic kernel stays ahead for MHA and for
-    larger batches, where its per-position cost (one atomic add per head and value stage) is
-    lower than the one-hot kernel's per-position operand building.
+    With GQA groups (two or more query heads per kv head, Qwen3-8B shapes) the one-hot kernel
+    won at every batch size and context measured; for MHA (GPT-2 shapes) the atomic kernel's
+    per-position cost, one atomic add per value stage, stays lower at batch 8 and 32.
     """
-    group = problem.q_heads // problem.kv_heads
-    return "onehot" if group >= 2 and problem.batch == 1 else "atomic"
+    return variant_for_group(problem.q_heads // problem.kv_heads)
+
+
+def variant_for_group(group: int) -> str:
+    """:func:`choose_variant`'s rule, from the query heads per kv head alone."""
+    return "onehot" if group >= 2 else "atomic"
 
 
 def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,

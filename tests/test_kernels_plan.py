@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kernels._rvq_onehot import MAX_A, MAX_ACC, Plan  # noqa: E402
+from kernels._rvq_onehot import MAX_ACC, MAX_OPERAND, Plan  # noqa: E402
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
@@ -28,7 +28,10 @@ def test_plan_fits_tensor_core_operands(group, value_stages, value_codebook, key
     assert plan.lo >= 16 and plan.block_g * plan.hi >= 16 and plan.block_n >= 16
     assert plan.block_g < 2 * group
     assert plan.value_stages_p * plan.block_g * plan.codebook_p <= MAX_ACC
-    assert plan.value_stages_p * plan.block_g * plan.hi * plan.block_n <= max(MAX_A, 16 * 16)
+    assert plan.eye == max(plan.hi, plan.lo)
+    # both one-hot operands fit their budget, unless the block is already the smallest
+    per_position = plan.value_stages_p * max(plan.block_g * plan.hi, plan.lo)
+    assert per_position * plan.block_n <= MAX_OPERAND or plan.block_n == 16
 
 
 @pytest.mark.parametrize("group,expect_g,expect_hi,expect_lo", [(1, 1, 16, 16), (4, 4, 8, 32)])
@@ -48,7 +51,8 @@ def test_variant_choice_and_bad_variant():
         return validate_decode_args(**make_case(**kw))
 
     assert _rvq_triton.choose_variant(problem(batch=1, q_heads=8, kv_heads=2)) == "onehot"
-    assert _rvq_triton.choose_variant(problem(batch=2, q_heads=8, kv_heads=2)) == "atomic"
+    assert _rvq_triton.choose_variant(problem(batch=3, q_heads=8, kv_heads=2)) == "onehot"
     assert _rvq_triton.choose_variant(problem(batch=1, q_heads=4, kv_heads=4)) == "atomic"
+    assert _rvq_triton.choose_variant(problem(batch=3, q_heads=4, kv_heads=4)) == "atomic"
     with pytest.raises(ValueError, match="variant"):
         _rvq_triton.decode(problem(dtype=torch.float16), variant="fast")
