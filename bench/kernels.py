@@ -352,6 +352,34 @@ def print_table(data, min_context=0):
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
+def print_memory_table(data, min_context=0):
+    """Device memory each op needs: its cache plus the extra peak of one call, in MB."""
+    from kernels._rvq_triton import variant_for_group
+
+    head = ("shape", "K+V stages", "context", "batch", "coded cache MB", "one-hot extra MB",
+            "atomic extra MB", "dense cache MB", "SDPA extra MB", "dense / coded, default")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in data["results"]:
+        if r["context"] < min_context:
+            continue
+        shape = SHAPES[r["shape"]]
+        default = variant_for_group(shape["q_heads"] // shape["kv_heads"])
+        extra = {"onehot": r.get("rvq_extra_peak_bytes"),
+                 "atomic": r.get("atomic_extra_peak_bytes")}
+        coded = r["coded_cache_bytes"] + (extra[default] or 0)
+        dense = r["dense_cache_bytes"] + (r.get("sdpa_extra_peak_bytes") or 0)
+        cells = [r["shape"], f"{r['key_stages']}+{r['value_stages']}", r["context"], r["batch"],
+                 fmt(r["coded_cache_bytes"] / 1e6, 1), fmt(_mb(extra["onehot"]), 1),
+                 fmt(_mb(extra["atomic"]), 1), fmt(r["dense_cache_bytes"] / 1e6, 0),
+                 fmt(_mb(r.get("sdpa_extra_peak_bytes")), 2), fmt(dense / coded, 0)]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+def _mb(x):
+    return None if x is None else x / 1e6
+
+
 def fmt(x, digits=3):
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -464,6 +492,8 @@ def main(argv=None):
     if args.plot:
         data = json.loads(Path(args.plot).read_text())
         print_table(data, args.min_context)
+        print()
+        print_memory_table(data, args.min_context)
         plot(data, args.figure)
         plot(data, args.graph_figure, graph=True)
         return
