@@ -339,7 +339,7 @@ def _chunks(problem: DecodeProblem, plan: Plan) -> int:
     return math.ceil(problem.q_heads // problem.kv_heads / plan.block_g)
 
 
-SPLIT_WAVES = 4  # programs per multiprocessor aimed at (each has a fixed table + codebook cost)
+SPLIT_WAVES = 2  # programs per multiprocessor aimed at; H200: 2 beat 4 at 128K, batch 1
 MIN_SPLIT_LEN = 1024  # H200: 1K positions per split beat 512 at batch 1 (fixed table cost)
 
 
@@ -359,13 +359,14 @@ def choose_num_splits(problem: DecodeProblem, waves: int = SPLIT_WAVES) -> int:
 
 
 def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
-           num_stages: int = 1, block_n: int | None = None,
-           hi_bits: int | None = None) -> torch.Tensor:
+           num_stages: int = 1, block_n: int | None = None, hi_bits: int | None = None,
+           block_c: int = 64) -> torch.Tensor:
     """Run the split and combine kernels on a validated problem; ``(batch, q_heads, head_dim)``.
 
     ``num_stages`` (software pipelining depth; 1, none, was fastest on the H200),
-    ``block_n`` (positions per step, a power of two >= 16) and ``hi_bits`` (see :class:`Plan`)
-    override the defaults, for tuning.
+    ``block_n`` (positions per step, a power of two >= 16), ``hi_bits`` (see :class:`Plan`)
+    and ``block_c`` (centroids per step of the score table and of the final codebook product,
+    a power of two >= 16) override the defaults, for tuning.
     """
     p = problem
     batch, q_heads, head_dim = p.query.shape
@@ -421,7 +422,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
         VALUE_STAGES_P=plan.value_stages_p, KEY_CODEBOOK_P=plan.key_codebook_p,
         HI=plan.hi, LO=plan.lo, LO_BITS=plan.lo_bits,
         BLOCK_G=plan.block_g, BLOCK_M=max(16, plan.block_g), BLOCK_N=block_n,
-        BLOCK_D=block_d, BLOCK_C=32, BLOCK_E=16, BLOCK_B=min(256, plan.key_codebook_p),
+        BLOCK_D=block_d, BLOCK_C=block_c, BLOCK_E=16, BLOCK_B=min(256, plan.key_codebook_p),
         TABLE_IEEE=table_ieee, EYE=plan.eye,
         num_warps=num_warps, num_stages=num_stages)
     out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=device)
