@@ -78,8 +78,9 @@ def _weights_pass(tab, eye, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss,
         W^T[s, lo, (g, hi)] += [lo_code == lo]^T @ (p[n, g] [hi_code == hi])
 
     Both one-hot factors are rows of an identity matrix read at the code (``eye``, ``EYE``
-    columns): loads instead of comparisons, and the right operand is built with each
-    position's ``heads * HI`` entries side by side, so it reaches shared memory in wide stores.
+    columns): loads instead of comparisons. The right operand holds each position's
+    ``heads * HI`` entries side by side, so packed half-precision products build it in the
+    tensor cores' register layout instead of 16-bit shared-memory stores.
     """
     rows = tl.arange(0, BLOCK_G)
     hi_ar = tl.arange(0, HI)
@@ -279,7 +280,8 @@ def _floor_pow2(x: int) -> int:
 
 
 class Plan:
-    """Block sizes of the one-hot kernel for one problem shape (``None`` fields: unsupported).
+    """Block sizes of the one-hot kernel for one problem shape (``supported``: whether the
+    value histogram fits a program).
 
     A code splits as ``c = hi * LO + lo``; per position and value stage the kernel reads an
     identity row of ``LO`` entries and builds ``heads * HI`` weights, so ``LO`` near
