@@ -2,10 +2,12 @@
 
 A randomly initialised model with GPT-2 small's shapes (12 layers, 12 heads, 768 wide) by
 default; codebooks are trained on K/V the model caches over random tokens (training time is
-reported too). Each round prefills both caches with the same tokens, then times the same decode
-steps with each cache, alternating which goes first. Prints a table and writes JSON.
+reported too). Each round prefills every cache with the same tokens, then times the same decode
+steps with each: DynamicCache, the archiving cache quantizing each position on the step it
+leaves the exact window (``block`` 1), and the archiving cache quantizing in groups of
+``--block`` positions; the order rotates between rounds. Prints a table and writes JSON.
 
-    python bench/adapters.py [--steps 64] [--prefill 512] [--json bench/results/adapters.json]
+    python bench/adapters.py [--steps 64] [--prefill 512] [--block 16]
 """
 
 from __future__ import annotations
@@ -36,13 +38,16 @@ from model_adapters.quantizer import train_kv_quantizer  # noqa: E402
 
 
 @torch.no_grad()
-def _decode_seconds(model, cache, prefill, steps) -> float:
+def _step_seconds(model, cache, prefill, steps) -> list[float]:
+    """Wall time of each decode step after a prefill."""
     kw = cache_kwarg(model)
     model(prefill, use_cache=True, **{kw: cache})
-    start = time.perf_counter()
+    times = []
     for t in range(steps.shape[1]):
+        start = time.perf_counter()
         model(steps[:, t : t + 1], use_cache=True, **{kw: cache})
-    return (time.perf_counter() - start) / steps.shape[1]
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def main(argv=None) -> int:
@@ -58,6 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=32)
+    p.add_argument("--block", type=int, default=16, help="group size of the third cache")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", default="bench/results/adapters.json")
     args = p.parse_args(argv)
@@ -87,48 +93,64 @@ def main(argv=None) -> int:
 
     prefill = torch.randint(0, cfg.vocab_size, (1, args.prefill), generator=gen)
     steps = torch.randint(0, cfg.vocab_size, (1, args.steps), generator=gen)
-    dyn, arc = [], []
+    names = ["dynamic", "archiving", f"archiving-block{args.block}"]
+    blocks = {"archiving": 1, f"archiving-block{args.block}": args.block}
+    per_step = {name: [] for name in names}  # per round: the list of step times
     writes_archive = archive_io.archive_available()
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            order = ("dynamic", "archiving") if r % 2 == 0 else ("archiving", "dynamic")
-            for which in order:
+            for which in names[r % 3 :] + names[: r % 3]:
                 if which == "dynamic":
-                    dyn.append(_decode_seconds(model, DynamicCache(config=cfg), prefill, steps))
-                    continue
-                ar = None
-                if writes_archive:
-                    ar, stream = archive_io.open_for_writing(
-                        Path(tmp) / f"round{r}.fkv",
+                    cache, ar = DynamicCache(config=cfg), None
+                else:
+                    ar = None
+                    if writes_archive:
+                        ar, stream = archive_io.open_for_writing(
+                            Path(tmp) / f"round{r}-{which}.fkv",
+                            model,
+                            quantizer,
+                            sinks=args.sinks,
+                            recent=args.recent,
+                        )
+                        rows = CodeRows(shape.num_layers, stream.extend)
+                    else:
+                        rows = CodeRows(shape.num_layers, None, keep=True)
+                    cache = ArchivingCache(
                         model,
                         quantizer,
                         sinks=args.sinks,
                         recent=args.recent,
+                        rows=rows,
+                        block=blocks[which],
                     )
-                    rows = CodeRows(shape.num_layers, stream.extend)
-                else:
-                    rows = CodeRows(shape.num_layers, None, keep=True)
-                cache = ArchivingCache(
-                    model, quantizer, sinks=args.sinks, recent=args.recent, rows=rows
-                )
-                arc.append(_decode_seconds(model, cache, prefill, steps))
+                per_step[which].append(_step_seconds(model, cache, prefill, steps))
                 if ar is not None:
                     ar.close()
-    dyn_ms, arc_ms = statistics.median(dyn) * 1e3, statistics.median(arc) * 1e3
+
+    def summary(name):
+        rounds = per_step[name]
+        return {
+            "ms_per_step": statistics.median(statistics.fmean(t) for t in rounds) * 1e3,
+            "median_step_ms": statistics.median(statistics.median(t) for t in rounds) * 1e3,
+            "max_step_ms": statistics.median(max(t) for t in rounds) * 1e3,
+            "ms_per_step_all": [statistics.fmean(t) * 1e3 for t in rounds],
+        }
+
+    caches = {name: summary(name) for name in names}
+    base = caches["dynamic"]["ms_per_step"]
+    for rec in caches.values():
+        rec["overhead_pct"] = 100.0 * (rec["ms_per_step"] / base - 1.0)
     result = {
         "model": f"random GPT-2 {args.layers} layers x {args.heads} heads x {args.hidden}",
         "config": args.config,
         "sinks": args.sinks,
         "recent": args.recent,
+        "block": args.block,
         "prefill": args.prefill,
         "steps": args.steps,
         "rounds": args.rounds,
         "archive_written": writes_archive,
-        "dynamic_ms_per_step": dyn_ms,
-        "archiving_ms_per_step": arc_ms,
-        "overhead_pct": 100.0 * (arc_ms / dyn_ms - 1.0),
-        "dynamic_ms_all": [x * 1e3 for x in dyn],
-        "archiving_ms_all": [x * 1e3 for x in arc],
+        "caches": caches,
         "train_tokens": args.train_tokens,
         "kmeans_iters": args.kmeans_iters,
         "collect_seconds": collect_s,
@@ -137,11 +159,21 @@ def main(argv=None) -> int:
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
     }
-    print("| cache | ms / decode step | overhead |")
-    print("|---|---|---|")
-    print(f"| DynamicCache | {dyn_ms:.2f} | – |")
-    what = "archiving (quantize + archive)" if writes_archive else "archiving (quantize, rows)"
-    print(f"| {what} | {arc_ms:.2f} | {result['overhead_pct']:+.1f}% |")
+    what = "quantize + archive" if writes_archive else "quantize, rows kept"
+    labels = {
+        "dynamic": "DynamicCache",
+        "archiving": f"archiving ({what}), each position as it leaves",
+        f"archiving-block{args.block}": f"archiving ({what}), groups of {args.block}",
+    }
+    print("| cache | ms / decode step (mean) | overhead | median step ms | slowest step ms |")
+    print("|---|---|---|---|---|")
+    for name in names:
+        rec = caches[name]
+        over = "–" if name == "dynamic" else f"{rec['overhead_pct']:+.1f}%"
+        print(
+            f"| {labels[name]} | {rec['ms_per_step']:.2f} | {over} | "
+            f"{rec['median_step_ms']:.2f} | {rec['max_step_ms']:.2f} |"
+        )
     print(
         f"codebook training ({args.config}, {args.train_tokens} tokens, "
         f"{args.kmeans_iters} iters): {train_s:.1f} s; K/V collection {collect_s:.1f} s"

@@ -6,6 +6,11 @@ Each layer keeps every position (like ``DynamicLayer``), but only the first ``si
 its K and V overwritten by their residual-VQ reconstruction, and its codes go to a
 :class:`~model_adapters.code_rows.CodeRows` collector (one archive row per token). The query of
 the step that ages a position out already sees its reconstruction.
+
+With ``block > 1`` positions leave the window in groups: nothing is quantized until at least
+``block`` positions have left it, then all of them are. The exact window then holds between
+``recent`` and ``recent + block - 1`` positions, and the codebooks are read once per group
+instead of once per decode step.
 """
 
 from __future__ import annotations
@@ -38,12 +43,14 @@ class ArchivingLayer(DynamicLayer):
         recent: int,
         rows: CodeRows | None,
         track_error: bool = False,
+        block: int = 1,
     ):
         super().__init__()
         self.layer_idx = layer_idx
         self.quantizer = quantizer
         self.sinks = sinks
         self.recent = recent
+        self.block = block
         self.rows = rows
         self.track_error = track_error
         self.archived_until = 0  # positions [sinks, archived_until) hold reconstructions
@@ -56,7 +63,7 @@ class ArchivingLayer(DynamicLayer):
             return keys, values
         end = keys.shape[-2] - self.recent
         start = max(self.archived_until, self.sinks)
-        if end > start:
+        if end - start >= self.block:
             old_k, old_v = keys[..., start:end, :], values[..., start:end, :]
             kc, kr, vc, vr = self.quantizer.quantize(self.layer_idx, old_k, old_v)
             if self.track_error:
@@ -107,6 +114,10 @@ class ArchivingCache(Cache):
         rows: collector receiving one row of codes per archived token (None: codes dropped).
         track_error: accumulate reconstruction errors for :meth:`reconstruction_nmse` (costs a
             little time per step).
+        block: quantize positions leaving the window in groups of at least this many (the
+            window then holds up to ``recent + block - 1`` exact positions); 1 quantizes each
+            position on the step it leaves. Larger groups read the codebooks once per group,
+            which is most of the per-step cost on a CPU (see docs/adapters.md).
 
     Use as ``model(input_ids, cache=c)`` / ``model.generate(..., cache=c)`` (see
     :func:`cache_kwarg` for the argument name this transformers version expects).
@@ -121,11 +132,13 @@ class ArchivingCache(Cache):
         recent: int = 32,
         rows: CodeRows | None = None,
         track_error: bool = False,
+        block: int = 1,
     ):
         shape: KVShape = kv_shape(model_or_config)
-        for name, v in (("sinks", sinks), ("recent", recent)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        for name, v, low in (("sinks", sinks, 0), ("recent", recent, 0), ("block", block, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                kind = "a positive" if low else "a non-negative"
+                raise ValueError(f"{name} must be {kind} int, got {v!r}")
         if quantizer is not None:
             if quantizer.shape != shape:
                 raise ValueError(
@@ -142,8 +155,9 @@ class ArchivingCache(Cache):
         self.sinks = sinks
         self.recent = recent
         self.rows = rows
+        self.block = block
         layers = [
-            ArchivingLayer(i, quantizer, sinks, recent, rows, track_error)
+            ArchivingLayer(i, quantizer, sinks, recent, rows, track_error, block)
             for i in range(shape.num_layers)
         ]
         super().__init__(layers=layers)

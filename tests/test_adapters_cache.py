@@ -73,8 +73,9 @@ def test_full_window_reproduces_dynamic_cache_generate(arch):
     assert rows.emitted == 0
 
 
+@pytest.mark.parametrize("block", [1, 4])
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
-def test_quantized_logits_match_hand_reference(arch):
+def test_quantized_logits_match_hand_reference(arch, block):
     model = TINY_MODELS[arch]()
     kw = cache_kwarg(model)
     shape = kv_shape(model)
@@ -82,7 +83,9 @@ def test_quantized_logits_match_hand_reference(arch):
     q = random_quantizer(model, key_stages=2, value_stages=1, seed=4)
     ids = torch.randint(2, 100, (1, n), generator=torch.Generator().manual_seed(3))
     rows = CodeRows(shape.num_layers, keep=True)
-    cache = ArchivingCache(model, q, sinks=sinks, recent=recent, rows=rows, track_error=True)
+    cache = ArchivingCache(
+        model, q, sinks=sinks, recent=recent, rows=rows, track_error=True, block=block
+    )
     ref_cache = DynamicCache(config=model.config)
     hand_codes = {}  # position -> row, built column by column in the documented order
     originals = {
@@ -95,6 +98,8 @@ def test_quantized_logits_match_hand_reference(arch):
         for t in range(n):
             # the step that brings the cache to t + 1 positions ages out [sinks, t + 1 - recent)
             upto = t + 1 - recent
+            if upto - replaced < block:  # positions leave the window in groups of `block`
+                upto = replaced
             for p in range(replaced, max(upto, replaced)):
                 row = []
                 for li, layer in enumerate(ref_cache.layers):
@@ -124,20 +129,18 @@ def test_quantized_logits_match_hand_reference(arch):
             for xs in originals[side]
         )
         assert cache.reconstruction_nmse()[side] == pytest.approx(sq_err[side] / var, rel=1e-6)
-    assert produced.shape == (n - recent - sinks, q.row_width)
-    want_rows = np.array([hand_codes[p] for p in range(sinks, n - recent)])
+    end = sinks + (n - recent - sinks) // block * block  # the last group is still exact
+    assert replaced == end
+    assert produced.shape == (end - sinks, q.row_width)
+    want_rows = np.array([hand_codes[p] for p in range(sinks, end)])
     np.testing.assert_array_equal(produced, want_rows)
-    assert cache.archived_tokens == n - recent - sinks
+    assert cache.archived_tokens == end - sinks
     # what the archive would hold decodes back to what the cache attends to
     kcodes, vcodes = q.rows_to_codes(produced)
     for li in range(shape.num_layers):
         k, v = q.decode(li, torch.from_numpy(kcodes[li])[None], torch.from_numpy(vcodes[li])[None])
-        torch.testing.assert_close(
-            k[0], cache.layers[li].keys[0, :, sinks : n - recent], rtol=0, atol=0
-        )
-        torch.testing.assert_close(
-            v[0], cache.layers[li].values[0, :, sinks : n - recent], rtol=0, atol=0
-        )
+        torch.testing.assert_close(k[0], cache.layers[li].keys[0, :, sinks:end], rtol=0, atol=0)
+        torch.testing.assert_close(v[0], cache.layers[li].values[0, :, sinks:end], rtol=0, atol=0)
 
 
 def test_keys_only_keeps_values_exact():
@@ -196,6 +199,8 @@ def test_cache_rejects_bad_arguments():
     gpt2, qwen3 = TINY_MODELS["gpt2"](), TINY_MODELS["qwen3"]()
     with pytest.raises(ValueError, match="recent must be a non-negative int, got -1"):
         ArchivingCache(gpt2, None, recent=-1)
+    with pytest.raises(ValueError, match="block must be a positive int, got 0"):
+        ArchivingCache(gpt2, None, block=0)
     with pytest.raises(ValueError, match="quantizer was built for"):
         ArchivingCache(qwen3, random_quantizer(gpt2))
     bert = pytest.importorskip("transformers").BertConfig()
