@@ -328,7 +328,7 @@ def print_table(data, min_context=0):
             "x SDPA", "x flash", "RVQ graph ms", "SDPA graph ms", "x SDPA graph",
             "atomic graph ms", "x atomic graph", "B/token RVQ", "B/token dense",
             "RVQ roofline ms", "default", "x SDPA graph, default")
-    from kernels._rvq_triton import variant_for_group
+    from kernels._variants import variant_for_group
 
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -354,7 +354,7 @@ def print_table(data, min_context=0):
 
 def print_memory_table(data, min_context=0):
     """Device memory each op needs: its cache plus the extra peak of one call, in MB."""
-    from kernels._rvq_triton import variant_for_group
+    from kernels._variants import variant_for_group
 
     head = ("shape", "K+V stages", "context", "batch", "coded cache MB", "one-hot extra MB",
             "atomic extra MB", "dense cache MB", "SDPA extra MB", "dense / coded, default")

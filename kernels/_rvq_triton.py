@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels._validate import DecodeProblem
+from kernels._variants import VARIANTS, variant_for_group
 
 LOG2E = 1.4426950408889634
 MAX_HEADS_PER_PROGRAM = 16  # query heads of one GQA group handled together (they share codes)
@@ -302,23 +303,12 @@ def choose_num_splits(problem: DecodeProblem) -> int:
     return max(1, min(wanted, math.ceil(capacity / block_positions(group)), 1024))
 
 
-VARIANTS = ("onehot", "atomic")
 DEFAULT_VARIANT = "auto"  # choose_variant per problem
 
 
 def choose_variant(problem: DecodeProblem) -> str:
-    """The variant measured faster for this kind of problem (H200, ``docs/kernels.md``).
-
-    With GQA groups (two or more query heads per kv head, Qwen3-8B shapes) the one-hot kernel
-    won at every batch size and context measured; for MHA (GPT-2 shapes) the atomic kernel's
-    per-position cost, one atomic add per value stage, stays lower at batch 8 and 32.
-    """
+    """The variant measured faster for this kind of problem (:func:`variant_for_group`)."""
     return variant_for_group(problem.q_heads // problem.kv_heads)
-
-
-def variant_for_group(group: int) -> str:
-    """:func:`choose_variant`'s rule, from the query heads per kv head alone."""
-    return "onehot" if group >= 2 else "atomic"
 
 
 def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
