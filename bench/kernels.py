@@ -269,8 +269,10 @@ def time_variant(problem, variant, prefix, graphs):
 SWEPT = [("qwen3-8b", (2, 2), 32768, 1), ("qwen3-8b", (4, 2), 65536, 8),
          ("qwen3-8b", (2, 2), 131072, 32), ("gpt2", (2, 2), 32768, 1),
          ("gpt2", (4, 2), 131072, 8)]
-# (warps, pipelining stages, positions per step as a multiple of the default)
-TUNINGS = [(4, 1, 1), (8, 1, 1), (4, 2, 1), (4, 1, 0.5)]
+# (warps, pipelining stages, positions per step as a multiple of the default, centroids per
+# codebook step)
+TUNINGS = [(4, 1, 1, 64), (8, 1, 1, 64), (4, 2, 1, 64), (4, 1, 0.5, 64), (4, 1, 1, 32),
+           (4, 1, 1, 128)]
 
 
 def sweep_splits(device, waves=(2, 4, 8)):
@@ -287,12 +289,12 @@ def sweep_splits(device, waves=(2, 4, 8)):
         base_n = _rvq_onehot.plan_for(problem).block_n
         for wave in waves:
             splits = _rvq_onehot.choose_num_splits(problem, waves=wave)
-            for nw, ns, n_mult in TUNINGS:
+            for nw, ns, n_mult, bc in TUNINGS:
                 bn = max(16, int(base_n * n_mult))
 
-                def fn(splits=splits, nw=nw, ns=ns, bn=bn, problem=problem):
+                def fn(splits=splits, nw=nw, ns=ns, bn=bn, bc=bc, problem=problem):
                     return _rvq_onehot.decode(problem, num_splits=splits, num_warps=nw,
-                                              num_stages=ns, block_n=bn)
+                                              num_stages=ns, block_n=bn, block_c=bc)
 
                 try:
                     fn()
@@ -303,9 +305,9 @@ def sweep_splits(device, waves=(2, 4, 8)):
                 rows.append({"shape": name, "key_stages": stages[0], "value_stages": stages[1],
                              "context": context, "batch": batch, "waves": wave,
                              "num_splits": splits, "num_warps": nw, "num_stages": ns,
-                             "block_n": bn, "graph_ms": ms})
+                             "block_n": bn, "block_c": bc, "graph_ms": ms})
                 print(f"sweep {name} {stages} ctx={context} b={batch} waves={wave} "
-                      f"splits={splits} warps={nw} stages={ns} block_n={bn}: "
+                      f"splits={splits} warps={nw} stages={ns} block_n={bn} block_c={bc}: "
                       f"{fmt(ms)} ms", flush=True)
         del case, problem
         torch.cuda.empty_cache()
