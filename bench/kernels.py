@@ -431,6 +431,55 @@ def plot(data, figure, graph=False):
     print(f"wrote {figure}")
 
 
+def plot_speedup(data, figure, min_context=0):
+    """CUDA-graph speed-up of the default kernel over SDPA per configuration, against 2x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kernels._variants import variant_for_group
+
+    rows = [r for r in data["results"] if r["context"] >= min_context]
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(SHAPES), figsize=(6 * len(SHAPES), 4), squeeze=False,
+                             sharey=True)
+    for ax, name in zip(axes[0], SHAPES, strict=True):
+        shape = SHAPES[name]
+        default = variant_for_group(shape["q_heads"] // shape["kv_heads"])
+        labels, groups = [], []
+        for stages in STAGES:
+            for context in sorted({r["context"] for r in rows}):
+                labels.append(f"{stages[0]}+{stages[1]}\n{context // 1024}K")
+                sel = {r["batch"]: r for r in rows if r["shape"] == name
+                       and r["context"] == context
+                       and (r["key_stages"], r["value_stages"]) == stages}
+                groups.append(sel)
+        width = 0.8 / len(batches)
+        for k, batch in enumerate(batches):
+            ys = []
+            for sel in groups:
+                r = sel.get(batch)
+                ms = None
+                if r is not None:
+                    key = "rvq" if r["rvq_variant"] == default else default
+                    ms = r.get(f"{key}_graph_ms")
+                ys.append(r["sdpa_graph_ms"] / ms if r is not None and ms else 0.0)
+            ax.bar([i + (k - (len(batches) - 1) / 2) * width for i in range(len(groups))], ys,
+                   width, label=f"batch {batch}")
+        ax.axhline(2.0, color="k", linestyle="--", linewidth=1, label="target 2x")
+        ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+        ax.set_xticks(range(len(groups)), labels, fontsize=8)
+        ax.set_title(f"{name} ({default} kernel)")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("SDPA time / kernel time (CUDA graphs)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"Decode attention on codes against dense SDPA, {data['device']}, {data['date']}")
+    fig.tight_layout()
+    fig.savefig(figure, dpi=110)
+    print(f"wrote {figure}")
+
+
 PROFILED = [("gpt2", (2, 2), 32768, 8), ("qwen3-8b", (2, 2), 32768, 8),
             ("qwen3-8b", (4, 2), 32768, 1), ("qwen3-8b", (2, 2), 131072, 32)]
 
@@ -481,6 +530,7 @@ def main(argv=None):
     parser.add_argument("--figure", default="docs/kernels.png")
     parser.add_argument("--min-context", type=int, default=0, help="table rows from this context")
     parser.add_argument("--graph-figure", default="docs/kernels_graph.png")
+    parser.add_argument("--speedup-figure", default="docs/kernels_speedup.png")
     parser.add_argument("--variant", default="onehot", help="kernel variant under test")
     parser.add_argument("--compare", nargs="*", default=["atomic"],
                         help="variants timed beside it")
@@ -498,6 +548,7 @@ def main(argv=None):
         print_memory_table(data, args.min_context)
         plot(data, args.figure)
         plot(data, args.graph_figure, graph=True)
+        plot_speedup(data, args.speedup_figure, args.min_context)
         return
     if args.profile:
         profile_launches(args.profile)
