@@ -90,6 +90,14 @@ def test_split_count_does_not_change_the_result():
         torch.testing.assert_close(out, outs[0], rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (2, 2)])
+def test_several_position_blocks_per_split(q_heads, kv_heads):
+    # 300 positions: full blocks of the one-hot kernel's 128 and a partial last block
+    case = make_case(q_heads=q_heads, kv_heads=kv_heads, archived=300, codebook_size=256,
+                     head_dim=16, archived_lengths=[300, 211])
+    check(case, num_splits=1)
+
+
 def test_large_scores_do_not_overflow():
     # scores in the hundreds: a softmax without a running maximum would give inf / NaN
     case = make_case(archived=40)
