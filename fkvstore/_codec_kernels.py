@@ -21,6 +21,7 @@ BAD_RANGE = 1  # outside the attractor's bounding region (or NaN)
 BAD_FRACTION = 2  # grid: bits below the span's last digit are set
 BAD_SYMBOL = 3  # grid: a cell that is no symbol (alphabet smaller than k*k)
 BAD_ORIGIN = 4  # ring: the backward walk does not return to the origin
+FEW_VERTICES = 32  # ring decode: up to this many symbols, classify by dot products
 
 
 # --------------------------------------------------------------------------------------- grid
@@ -167,6 +168,7 @@ def ring_decode(points, first_span, length, start, stop, span, centres, inv_rati
     width = points.shape[1]
     alphabet_size = centres.shape[0]
     per_radian = alphabet_size / (2.0 * math.pi)
+    few = alphabet_size <= FEW_VERTICES
     s = start // span
     while s * span < stop:
         base = s * span
@@ -180,11 +182,22 @@ def ring_decode(points, first_span, length, start, stop, span, centres, inv_rati
             for i in range(cnt - 1, -1, -1):
                 if not (px * px + py * py <= radius2):
                     return s * 8 + BAD_RANGE
-                k = np.int64(math.floor(math.atan2(py, px) * per_radian + 0.5))
-                if k < 0:
-                    k += alphabet_size
-                elif k >= alphabet_size:
-                    k -= alphabet_size
+                if few:
+                    # largest dot product with the centres: the nearest vertex by angle,
+                    # cheaper than atan2 for a handful of vertices
+                    k = 0
+                    best = px * centres[0, 0] + py * centres[0, 1]
+                    for c in range(1, alphabet_size):
+                        d = px * centres[c, 0] + py * centres[c, 1]
+                        if d > best:
+                            best = d
+                            k = c
+                else:
+                    k = np.int64(math.floor(math.atan2(py, px) * per_radian + 0.5))
+                    if k < 0:
+                        k += alphabet_size
+                    elif k >= alphabet_size:
+                        k -= alphabet_size
                 if i < hi and i >= lo:
                     out[base + i - start, w] = k
                 px = (px - centres[k, 0]) * inv_ratio
