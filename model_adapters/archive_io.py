@@ -95,7 +95,9 @@ def open_for_writing(
 
 
 def window_arrays(cache) -> tuple[np.ndarray, np.ndarray]:
-    """The exact window (sinks + recent positions) of a batch-1 cache as fp16 arrays.
+    """The exact positions of a batch-1 cache that are not archived, as fp16 arrays: the sinks,
+    then every later position not yet quantized (the ``recent`` window, plus the positions
+    waiting for their group when the cache's ``block`` is above 1).
 
     Returns:
         ``(keys, values)``, each ``(num_layers, kv_heads, window, head_dim)`` float16.
@@ -104,7 +106,10 @@ def window_arrays(cache) -> tuple[np.ndarray, np.ndarray]:
     ks, vs = [], []
     for layer in cache.layers:
         seq = layer.get_seq_length()
-        keep = sorted(set(range(min(sinks, seq))) | set(range(max(seq - recent, 0), seq)))
+        tail = max(seq - recent, 0)
+        if getattr(layer, "quantizer", None) is not None:
+            tail = min(tail, max(layer.archived_until, sinks))
+        keep = sorted(set(range(min(sinks, seq))) | set(range(tail, seq)))
         ks.append(layer.keys[0][:, keep].to("cpu").half().numpy())
         vs.append(layer.values[0][:, keep].to("cpu").half().numpy())
     return np.stack(ks), np.stack(vs)

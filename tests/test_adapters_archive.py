@@ -28,11 +28,11 @@ if archive_io.archive_available():
     import fkvstore
 
 
-def _archive_run(model, path, n=30, sinks=2, recent=5):
+def _archive_run(model, path, n=30, sinks=2, recent=5, block=1):
     q = random_quantizer(model, key_stages=2, value_stages=1, seed=7)
     ar, stream = archive_io.open_for_writing(path, model, q, sinks=sinks, recent=recent)
     rows = CodeRows(kv_shape(model).num_layers, stream.extend, keep=True)
-    cache = ArchivingCache(model, q, sinks=sinks, recent=recent, rows=rows)
+    cache = ArchivingCache(model, q, sinks=sinks, recent=recent, rows=rows, block=block)
     ids = torch.randint(2, 100, (1, n), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         for t in range(n):
@@ -67,6 +67,24 @@ def test_codes_read_back_equal_codes_produced(arch, tmp_path):
     shape = kv_shape(model)
     assert window_k.shape == (shape.num_layers, shape.kv_heads, 2 + 5, shape.head_dim)
     assert window_k.dtype == np.float16
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_codes_and_window_hold_every_position(block, tmp_path):
+    # with groups, the positions still waiting for theirs are stored with the exact window
+    model = TINY_MODELS["gpt2"]()
+    _, produced, cache = _archive_run(model, tmp_path / "all.fkv", block=block)
+    with fkvstore.open(tmp_path / "all.fkv", "r") as ar:
+        window_k = ar.get_array("window_keys")
+        window_v = ar.get_array("window_values")
+    assert len(produced) == 23 // block * block  # 30 positions - 2 sinks - 5 recent
+    assert len(produced) + window_k.shape[2] == 30
+    end = 2 + len(produced)
+    for li, layer in enumerate(cache.layers):
+        exact = torch.cat([layer.keys[0, :, :2], layer.keys[0, :, end:]], 1).half().numpy()
+        np.testing.assert_array_equal(window_k[li], exact)
+        exact = torch.cat([layer.values[0, :, :2], layer.values[0, :, end:]], 1).half().numpy()
+        np.testing.assert_array_equal(window_v[li], exact)
 
 
 def test_archive_from_another_model_config_is_refused(tmp_path):
