@@ -43,7 +43,7 @@ VERTEX_ULPS = 8
 #: bound C on the error of a backward ring walk before amplification (docs/codec.md derives it):
 #: 14u from rounding in the forward and backward steps, 6 * VERTEX_ULPS * u from vertices
 #: computed by two different libms, and the rest (a factor 2) for the angle classification
-#: (atan2, or for at most 32 symbols dot products, whose rounding needs at most 31u of it).
+#: (atan2, or for at most 32 symbols dot products, whose rounding needs about 39u of it).
 RING_ERROR = 128 * UNIT_ROUNDOFF
 #: the amplified error must stay below 1/RING_CHECK_FACTOR of the cell margin, so the final
 #: "back at the origin" test still rejects damaged points

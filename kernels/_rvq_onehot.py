@@ -26,7 +26,6 @@ Two launches per call:
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -283,10 +282,10 @@ class Plan:
     """Block sizes of the one-hot kernel for one problem shape (``supported``: whether the
     value histogram fits a program).
 
-    A code splits as ``c = hi * LO + lo``; per position and value stage the kernel reads an
-    identity row of ``LO`` entries and builds ``heads * HI`` weights, so ``LO`` near
-    ``sqrt(heads * codebook)`` balances the two. ``hi_bits`` and ``block_n`` override the
-    defaults (tuning).
+    A code splits as ``c = hi * LO + lo``; per position and value stage the kernel reads two
+    identity rows (``HI`` and ``LO`` entries) and multiplies ``heads * HI`` of them by the
+    weights, so ``LO`` near ``sqrt(heads * codebook)`` balances the two operands.
+    ``hi_bits`` and ``block_n`` override the defaults (tuning).
     """
 
     def __init__(self, group: int, value_stages: int, value_codebook: int, key_stages: int,
@@ -321,10 +320,19 @@ def plan_for(problem: DecodeProblem, **tuning) -> Plan:
                 problem.key_codebooks.shape[2], **tuning)
 
 
-@functools.lru_cache(maxsize=16)
+_IDENTITIES: dict = {}
+
+
 def _identity(size: int, device: torch.device) -> torch.Tensor:
     """The one-hot rows the kernel reads: ``[code == j]`` over ``j`` is row ``code``."""
-    return torch.eye(size, dtype=torch.float16, device=device)
+    key = (size, device)
+    eye = _IDENTITIES.get(key)
+    if eye is None:
+        eye = torch.eye(size, dtype=torch.float16, device=device)
+        # one made while a CUDA graph is captured is filled only by the graph's replays
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _IDENTITIES[key] = eye
+    return eye
 
 
 def supports(problem: DecodeProblem, num_splits: int | None = None) -> bool:
@@ -376,6 +384,9 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     group = q_heads // kv_heads
     key_stages, key_codebook = p.key_codebooks.shape[1:3]
     value_stages, value_codebook = p.value_codebooks.shape[1:3]
+    for name, value in (("block_n", block_n), ("block_c", block_c)):
+        if value is not None and (value < 16 or value & (value - 1)):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
     plan = plan_for(p, hi_bits=hi_bits, block_n=block_n)
     if not plan.supported:
         raise ValueError(f"value_codebooks {tuple(p.value_codebooks.shape)}: the histogram "

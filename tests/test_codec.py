@@ -176,7 +176,8 @@ def test_stored_point_error_is_within_the_bound(alphabet_size, data):
     assert err <= RING_ERROR / 8
 
 
-@pytest.mark.parametrize("alphabet_size", [2, 3, 5, 27, 256, 1024, 50257])
+# 32 and 33: the largest alphabet classified by dot products, and the smallest by atan2
+@pytest.mark.parametrize("alphabet_size", [2, 3, 5, 27, 32, 33, 256, 1024, 50257])
 def test_decodes_across_machines_whose_vertices_differ_by_ulps(alphabet_size):
     """Encode with vertices moved by up to 4 ulps (another libm), decode with ours."""
     codec = Codec(alphabet_size, "ring")

@@ -93,8 +93,11 @@ def test_split_count_does_not_change_the_result():
 @pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (2, 2)])
 def test_several_position_blocks_per_split(q_heads, kv_heads):
     # 300 positions: full blocks of the one-hot kernel's 128 and a partial last block
+    from kernels._rvq_onehot import plan_for
+
     case = make_case(q_heads=q_heads, kv_heads=kv_heads, archived=300, codebook_size=256,
                      head_dim=16, archived_lengths=[300, 211])
+    assert 211 % plan_for(validate_decode_args(**case)).block_n != 0
     check(case, num_splits=1)
 
 

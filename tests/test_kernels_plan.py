@@ -28,7 +28,6 @@ def test_plan_fits_tensor_core_operands(group, value_stages, value_codebook, key
     assert plan.lo >= 16 and plan.block_g * plan.hi >= 16 and plan.block_n >= 16
     assert plan.block_g < 2 * group
     assert plan.value_stages_p * plan.block_g * plan.codebook_p <= MAX_ACC
-    assert plan.eye == max(plan.hi, plan.lo)
     # both one-hot operands fit their budget, unless the block is already the smallest
     per_position = plan.value_stages_p * max(plan.block_g * plan.hi, plan.lo)
     assert per_position * plan.block_n <= MAX_OPERAND or plan.block_n == 16
@@ -56,3 +55,16 @@ def test_variant_choice_and_bad_variant():
     assert _rvq_triton.choose_variant(problem(batch=3, q_heads=4, kv_heads=4)) == "atomic"
     with pytest.raises(ValueError, match="variant"):
         _rvq_triton.decode(problem(dtype=torch.float16), variant="fast")
+
+
+@pytest.mark.parametrize("tuning", [{"block_n": 48}, {"block_c": 8}, {"block_n": 0}])
+def test_bad_block_sizes_are_refused(tuning):
+    from kernels_cases import make_case
+
+    from kernels import _rvq_onehot
+    from kernels._validate import validate_decode_args
+
+    problem = validate_decode_args(**make_case())
+    name = next(iter(tuning))
+    with pytest.raises(ValueError, match=f"{name} must be a power of two >= 16"):
+        _rvq_onehot.decode(problem, **tuning)
