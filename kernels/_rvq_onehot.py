@@ -32,7 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._rvq_triton import LOG2E, NEG_BIG, _launchable, _pow2
+from kernels._rvq_triton import (
+    LOG2E,
+    NEG_BIG,
+    _exact_segment,
+    _launchable,
+    _pow2,
+    _program_heads,
+)
 from kernels._validate import DecodeProblem
 
 MIN_CODEBOOK = 256  # codebooks are padded to at least 16 x 16 (tl.dot needs 16 rows and columns)
@@ -42,27 +49,6 @@ MAX_TABLE_BYTES = 256 << 20  # scratch for the per-program score tables
 MAX_SPLITS = 1024
 REF_HEADROOM = tl.constexpr(8.0)  # weights up to 2^8 against the score bound (float16 safe)
 REF_SLACK = tl.constexpr(4.0)  # best weight below 2^-4: redo the split with its true maximum
-
-
-@triton.jit
-def _exact_part(q, k_base, v_base, n_tokens, m, l, acc, k_sn, v_sn, d, d_ok, qk_scale,
-                BLOCK_E: tl.constexpr):
-    # q is float32 converted from float16 / bfloat16: exact in tf32, as are k and v
-    for n0 in range(0, n_tokens, BLOCK_E):
-        n = n0 + tl.arange(0, BLOCK_E)
-        n_ok = n < n_tokens
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + n[:, None] * k_sn + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + n[:, None] * v_sn + d[None, :], mask=kv_mask, other=0.0)
-        score = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="tf32") * qk_scale
-        score = tl.where(n_ok[None, :], score, float("-inf"))
-        m_new = tl.maximum(m, tl.max(score, axis=1))
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(score - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="tf32")
-        m = m_new
-    return m, l, acc
 
 
 @triton.jit
@@ -132,13 +118,10 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                   BLOCK_B: tl.constexpr, TABLE_IEEE: tl.constexpr, EYE: tl.constexpr):
     split = tl.program_id(0)
     pid_bhg = tl.program_id(1)
-    chunk = pid_bhg % GROUP_CHUNKS
-    kvh = (pid_bhg // GROUP_CHUNKS) % KV_HEADS
-    b = pid_bhg // (GROUP_CHUNKS * KV_HEADS)
-    row = tl.arange(0, BLOCK_M)  # BLOCK_G heads in BLOCK_M >= 16 rows (tl.dot needs 16)
-    g_row = chunk * BLOCK_G + row
-    row_ok = (row < BLOCK_G) & (g_row < GROUP)
-    heads_row = kvh * GROUP + g_row
+    # BLOCK_G heads in BLOCK_M >= 16 rows (tl.dot needs 16)
+    b, kvh, chunk, _, row_ok, heads_row = _program_heads(pid_bhg, KV_HEADS, GROUP,
+                                                         GROUP_CHUNKS, BLOCK_G, BLOCK_M)
+    row = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + b * q_sb + heads_row[:, None] * q_sh + d[None, :],
@@ -149,11 +132,11 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
     o_out = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if split == NUM_SPLITS:  # the exact sink and recent tokens of these heads
         qf = q.to(tl.float32)
-        m_out, l_out, o_out = _exact_part(
+        m_out, l_out, o_out = _exact_segment(
             qf, sk_ptr + b * sk_sb + kvh * sk_sh, sv_ptr + b * sv_sb + kvh * sv_sh,
             tl.load(slen_ptr + b), m_out, l_out, o_out, sk_sn, sv_sn, d, d_ok, qk_scale,
             BLOCK_E)
-        m_out, l_out, o_out = _exact_part(
+        m_out, l_out, o_out = _exact_segment(
             qf, rk_ptr + b * rk_sb + kvh * rk_sh, rv_ptr + b * rv_sb + kvh * rv_sh,
             tl.load(rlen_ptr + b), m_out, l_out, o_out, rk_sn, rv_sn, d, d_ok, qk_scale,
             BLOCK_E)
@@ -182,8 +165,7 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                              t, mask=(row[:, None] < BLOCK_G) & c_ok[None, :])
             tl.debug_barrier()
 
-            g = chunk * BLOCK_G + tl.arange(0, BLOCK_G)
-            g_ok = g < GROUP
+            g_ok = chunk * BLOCK_G + tl.arange(0, BLOCK_G) < GROUP  # row_ok without padding
             kc_base = kc_ptr + b * kc_sb + kvh * kc_sh
             vc_base = vc_ptr + b * vc_sb + kvh * vc_sh
             # a fixed softmax reference instead of a running maximum: no per-block reductions

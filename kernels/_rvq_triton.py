@@ -44,6 +44,46 @@ MAX_REPLICAS = 8  # copies of each head's histogram that the splits share out
 
 
 @triton.jit
+def _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS, BLOCK_G: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    """What a program over (batch, kv head, chunk of the group) serves: ``(b, kvh, chunk, g,
+    g_ok, heads)``, with ``g`` the chunk's query heads within the group in ``BLOCK_M >=
+    BLOCK_G`` rows (rows past ``BLOCK_G`` or past the group masked) and ``heads`` their
+    query-head indices."""
+    chunk = pid_bhg % GROUP_CHUNKS
+    kvh = (pid_bhg // GROUP_CHUNKS) % KV_HEADS
+    b = pid_bhg // (GROUP_CHUNKS * KV_HEADS)
+    row = tl.arange(0, BLOCK_M)
+    g = chunk * BLOCK_G + row
+    g_ok = (row < BLOCK_G) & (g < GROUP)
+    return b, kvh, chunk, g, g_ok, kvh * GROUP + g
+
+
+@triton.jit
+def _exact_segment(q, k_base, v_base, n_tokens, m, l, acc, k_sn, v_sn, d, d_ok, qk_scale,
+                   BLOCK_E: tl.constexpr):
+    """Online softmax of ``q`` (float32, rows of heads) over ``n_tokens`` exact keys and values,
+    merged into ``(m, l, acc)``; scores are ``q . k * qk_scale`` (log2 units). ``q`` holds
+    float16 / bfloat16 values, exact in tf32, as are the keys and values; the weights are
+    rounded to tf32 (relative 2^-11) for the product with the values."""
+    for n0 in range(0, n_tokens, BLOCK_E):
+        n = n0 + tl.arange(0, BLOCK_E)
+        n_ok = n < n_tokens
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None] * k_sn + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + n[:, None] * v_sn + d[None, :], mask=kv_mask, other=0.0)
+        score = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="tf32") * qk_scale
+        score = tl.where(n_ok[None, :], score, float("-inf"))
+        m_new = tl.maximum(m, tl.max(score, axis=1))
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(score - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="tf32")
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
 def _score_table_kernel(q_ptr, cb_ptr, table_ptr, qk_scale,
                         q_sb, q_sh,
                         cb_sh, cb_ss, cb_sc,
@@ -53,13 +93,8 @@ def _score_table_kernel(q_ptr, cb_ptr, table_ptr, qk_scale,
     pid_bhg = tl.program_id(0)
     stage = tl.program_id(1)
     pid_c = tl.program_id(2)
-    chunk = pid_bhg % GROUP_CHUNKS
-    kvh = (pid_bhg // GROUP_CHUNKS) % KV_HEADS
-    b = pid_bhg // (GROUP_CHUNKS * KV_HEADS)
-
-    g = chunk * BLOCK_G + tl.arange(0, BLOCK_G)
-    g_ok = g < GROUP
-    heads = kvh * GROUP + g
+    b, kvh, _, g, g_ok, heads = _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
+                                               BLOCK_G, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -95,12 +130,8 @@ def _split_max_kernel(table_ptr, kc_ptr, alen_ptr, mx_ptr, hist_ptr, l_ptr,
                       BLOCK_Z: tl.constexpr):
     split = tl.program_id(0)
     pid_bhg = tl.program_id(1)
-    chunk = pid_bhg % GROUP_CHUNKS
-    kvh = (pid_bhg // GROUP_CHUNKS) % KV_HEADS
-    b = pid_bhg // (GROUP_CHUNKS * KV_HEADS)
-    g = chunk * BLOCK_G + tl.arange(0, BLOCK_G)
-    g_ok = g < GROUP
-    heads = kvh * GROUP + g
+    b, kvh, _, g, g_ok, heads = _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
+                                               BLOCK_G, BLOCK_G)
 
     if split == 0:  # the histogram kernel accumulates with atomics: start it from zero
         zeros = tl.zeros([BLOCK_G, BLOCK_Z], tl.float32)
@@ -136,12 +167,8 @@ def _value_histogram_kernel(table_ptr, kc_ptr, vc_ptr, alen_ptr, mx_ptr, hist_pt
                             BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
     split = tl.program_id(0)
     pid_bhg = tl.program_id(1)
-    chunk = pid_bhg % GROUP_CHUNKS
-    kvh = (pid_bhg // GROUP_CHUNKS) % KV_HEADS
-    b = pid_bhg // (GROUP_CHUNKS * KV_HEADS)
-    g = chunk * BLOCK_G + tl.arange(0, BLOCK_G)
-    g_ok = g < GROUP
-    heads = kvh * GROUP + g
+    b, kvh, _, g, g_ok, heads = _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
+                                               BLOCK_G, BLOCK_G)
 
     n_archived = tl.load(alen_ptr + b)
     start = split * SPLIT_LEN
@@ -173,26 +200,6 @@ def _value_histogram_kernel(table_ptr, kc_ptr, vc_ptr, alen_ptr, mx_ptr, hist_pt
 
 
 @triton.jit
-def _exact_segment(q, k_base, v_base, n_tokens, m, l, acc, k_sn, v_sn, d, d_ok,
-                   BLOCK_E: tl.constexpr):
-    for n0 in range(0, n_tokens, BLOCK_E):
-        n = n0 + tl.arange(0, BLOCK_E)
-        n_ok = n < n_tokens
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + n[:, None] * k_sn + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + n[:, None] * v_sn + d[None, :], mask=kv_mask, other=0.0)
-        score = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        score = tl.where(n_ok[None, :], score, float("-inf"))
-        m_new = tl.maximum(m, tl.max(score, axis=1))
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(score - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        m = m_new
-    return m, l, acc
-
-
-@triton.jit
 def _exact_and_combine_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr,
                               mx_ptr, l_ptr, hist_ptr, vcb_ptr, out_ptr, qk_scale,
                               q_sb, q_sh,
@@ -210,27 +217,22 @@ def _exact_and_combine_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, r
                               BLOCK_C: tl.constexpr):
     # BLOCK_G heads of the group, in BLOCK_M >= 16 rows so that tl.dot applies
     pid_bhg = tl.program_id(0)
-    chunk = pid_bhg % GROUP_CHUNKS
-    kvh = (pid_bhg // GROUP_CHUNKS) % KV_HEADS
-    b = pid_bhg // (GROUP_CHUNKS * KV_HEADS)
-    row = tl.arange(0, BLOCK_M)
-    g = chunk * BLOCK_G + row
-    g_ok = (row < BLOCK_G) & (g < GROUP)
-    heads = kvh * GROUP + g
+    b, kvh, _, g, g_ok, heads = _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
+                                               BLOCK_G, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
 
     q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * qk_scale
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m, l, acc = _exact_segment(q, sk_ptr + b * sk_sb + kvh * sk_sh,
                                sv_ptr + b * sv_sb + kvh * sv_sh, tl.load(slen_ptr + b),
-                               m, l, acc, sk_sn, sv_sn, d, d_ok, BLOCK_E)
+                               m, l, acc, sk_sn, sv_sn, d, d_ok, qk_scale, BLOCK_E)
     m, l, acc = _exact_segment(q, rk_ptr + b * rk_sb + kvh * rk_sh,
                                rv_ptr + b * rv_sb + kvh * rv_sh, tl.load(rlen_ptr + b),
-                               m, l, acc, rk_sn, rv_sn, d, d_ok, BLOCK_E)
+                               m, l, acc, rk_sn, rv_sn, d, d_ok, qk_scale, BLOCK_E)
 
     # the archived part: its reference maximum, weight sum and histogram
     splits = tl.arange(0, BLOCK_S)
