@@ -19,7 +19,7 @@ kernel against the float32 reference on the GPU, and records the extra peak memo
     python bench/kernels.py --quick             # a small grid
     python bench/kernels.py --profile bench/results/kernels_profile.json   # per launch
     python bench/kernels.py --plot bench/results/kernels.json   # table + docs/kernels*.png
-    python bench/kernels.py --sweep ...          # also split counts / warps / pipelining
+    python bench/kernels.py --sweep ...          # also split counts and one-hot settings
 """
 
 from __future__ import annotations
@@ -266,17 +266,17 @@ def time_variant(problem, variant, prefix, graphs):
             f"{prefix}_extra_peak_bytes": extra_peak_bytes(rvq)}
 
 
-SWEPT = [("qwen3-8b", (2, 2), 32768, 1), ("qwen3-8b", (4, 2), 65536, 8),
-         ("qwen3-8b", (2, 2), 131072, 32), ("gpt2", (2, 2), 32768, 1),
-         ("gpt2", (4, 2), 131072, 8)]
-# (warps, pipelining stages, positions per step as a multiple of the default, centroids per
-# codebook step)
-TUNINGS = [(4, 1, 1, 64), (8, 1, 1, 64), (4, 2, 1, 64), (4, 1, 0.5, 64), (4, 1, 1, 32),
-           (4, 1, 1, 128)]
+SWEPT = [("qwen3-8b", (2, 2), 32768, 1), ("qwen3-8b", (2, 2), 131072, 1),
+         ("qwen3-8b", (4, 2), 65536, 8), ("qwen3-8b", (2, 2), 131072, 32),
+         ("gpt2", (2, 2), 131072, 8)]
+# one-hot kernel settings beside the defaults: no L2 requests ahead (the previous kernel), and
+# half the positions per step
+TUNINGS = [("default", {}), ("no prefetch", {"prefetch": 0}), ("half block", {"block_n": 64})]
 
 
-def sweep_splits(device, waves=(2, 4, 8)):
-    """CUDA-graph time of the one-hot kernel over split counts and tunings on a few configs."""
+def sweep_splits(device, split_factors=(0.5, 1, 2)):
+    """CUDA-graph time of the one-hot kernel over split counts (multiples of the chosen one)
+    and a few settings, on a few configs."""
     import torch
 
     from kernels import _rvq_onehot
@@ -286,15 +286,13 @@ def sweep_splits(device, waves=(2, 4, 8)):
     for name, stages, context, batch in SWEPT:
         case = make_coded_case(SHAPES[name], stages, context, batch, device, torch.float16)
         problem = validate_decode_args(**case, check_codes=False)
-        base_n = _rvq_onehot.plan_for(problem).block_n
-        for wave in waves:
-            splits = _rvq_onehot.choose_num_splits(problem, waves=wave)
-            for nw, ns, n_mult, bc in TUNINGS:
-                bn = max(16, int(base_n * n_mult))
+        chosen = _rvq_onehot.choose_num_splits(problem)
+        for factor in split_factors:
+            splits = max(1, round(chosen * factor))
+            for label, tuning in TUNINGS:
 
-                def fn(splits=splits, nw=nw, ns=ns, bn=bn, bc=bc, problem=problem):
-                    return _rvq_onehot.decode(problem, num_splits=splits, num_warps=nw,
-                                              num_stages=ns, block_n=bn, block_c=bc)
+                def fn(splits=splits, tuning=tuning, problem=problem):
+                    return _rvq_onehot.decode(problem, num_splits=splits, **tuning)
 
                 try:
                     fn()
@@ -303,12 +301,11 @@ def sweep_splits(device, waves=(2, 4, 8)):
                     print(f"  sweep failed: {exc!r}"[:1000], file=sys.stderr)
                     ms = None
                 rows.append({"shape": name, "key_stages": stages[0], "value_stages": stages[1],
-                             "context": context, "batch": batch, "waves": wave,
-                             "num_splits": splits, "num_warps": nw, "num_stages": ns,
-                             "block_n": bn, "block_c": bc, "graph_ms": ms})
-                print(f"sweep {name} {stages} ctx={context} b={batch} waves={wave} "
-                      f"splits={splits} warps={nw} stages={ns} block_n={bn} block_c={bc}: "
-                      f"{fmt(ms)} ms", flush=True)
+                             "context": context, "batch": batch, "split_factor": factor,
+                             "num_splits": splits, "setting": label, **tuning,
+                             "graph_ms": ms})
+                print(f"sweep {name} {stages} ctx={context} b={batch} splits={splits} "
+                      f"(x{factor}) {label}: {fmt(ms)} ms", flush=True)
         del case, problem
         torch.cuda.empty_cache()
     return rows
@@ -320,6 +317,28 @@ def speedup(row, base="sdpa", graph=False):
     if not ours or not theirs:
         return None
     return theirs / ours
+
+
+def print_sweep_table(data):
+    """The sweep as a markdown table: one row per config, one column per split multiple and
+    setting (CUDA-graph ms; the chosen split count in the config cell)."""
+    sweep = data.get("sweep")
+    if not sweep:
+        return
+    columns = sorted({(r["split_factor"], r["setting"]) for r in sweep},
+                     key=lambda c: (c[0], [t[0] for t in TUNINGS].index(c[1])))
+    print("| config | " + " | ".join(f"x{f:g} splits, {label}" for f, label in columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    configs = sorted({(r["shape"], r["key_stages"], r["value_stages"], r["context"], r["batch"])
+                      for r in sweep}, key=lambda c: (c[0], c[4], c[3], c[1]))
+    for shape, ks, vs, context, batch in configs:
+        rows = [r for r in sweep if (r["shape"], r["key_stages"], r["value_stages"],
+                                     r["context"], r["batch"]) == (shape, ks, vs, context, batch)]
+        ms = {(r["split_factor"], r["setting"]): r["graph_ms"] for r in rows}
+        chosen = next(r["num_splits"] for r in rows if r["split_factor"] == 1)
+        cells = [fmt(ms.get(c)) for c in columns]
+        print(f"| {shape} {ks}+{vs}, {context // 1024}K, batch {batch} ({chosen} splits) | "
+              + " | ".join(cells) + " |")
 
 
 def print_table(data, min_context=0):
@@ -535,7 +554,7 @@ def main(argv=None):
     parser.add_argument("--compare", nargs="*", default=["atomic"],
                         help="variants timed beside it")
     parser.add_argument("--sweep", action="store_true",
-                        help="also time the one-hot kernel over split counts and warps")
+                        help="also time the one-hot kernel over split counts and settings")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--profile", metavar="JSON",
                         help="only time each of the kernel's launches on a few configurations")
@@ -546,6 +565,8 @@ def main(argv=None):
         print_table(data, args.min_context)
         print()
         print_memory_table(data, args.min_context)
+        print()
+        print_sweep_table(data)
         plot(data, args.figure)
         plot(data, args.graph_figure, graph=True)
         plot_speedup(data, args.speedup_figure, args.min_context)

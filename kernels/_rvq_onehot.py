@@ -26,7 +26,9 @@ Two launches per call:
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import triton
@@ -52,11 +54,20 @@ REF_SLACK = tl.constexpr(4.0)  # best weight below 2^-4: redo the split with its
 
 
 @triton.jit
+def _prefetch_l2(ptrs, mask):
+    """A hint: start moving the lines at ``ptrs`` (where ``mask``) from memory into L2."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _weights_pass(tab, eye, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
                   KEY_STAGES: tl.constexpr, VALUE_STAGES: tl.constexpr,
                   VALUE_STAGES_P: tl.constexpr, KEY_CODEBOOK_P: tl.constexpr,
                   HI: tl.constexpr, LO: tl.constexpr, LO_BITS: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, EYE: tl.constexpr):
+                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, EYE: tl.constexpr,
+                  PREFETCH: tl.constexpr):
     """Transposed value histogram, weight sum and largest score of positions [start, end)
     against the reference ``m``:
 
@@ -65,7 +76,8 @@ def _weights_pass(tab, eye, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss,
     Both one-hot factors are rows of an identity matrix read at the code (``eye``, ``EYE``
     columns): loads instead of comparisons. The right operand holds each position's
     ``heads * HI`` entries side by side, so packed half-precision products build it in the
-    tensor cores' register layout instead of 16-bit shared-memory stores.
+    tensor cores' register layout instead of 16-bit shared-memory stores. The codes of the
+    block ``PREFETCH`` steps ahead are requested into L2 at each step (0: no requests).
     """
     rows = tl.arange(0, BLOCK_G)
     hi_ar = tl.arange(0, HI)
@@ -77,6 +89,12 @@ def _weights_pass(tab, eye, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss,
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
+        # a step takes less time than a load from memory: ask early, one request per 16
+        # positions (every 128-byte line while a position's codes fit 8 bytes)
+        if PREFETCH > 0:
+            ahead = n0 + PREFETCH * BLOCK_N + tl.arange(0, BLOCK_N // 16) * 16
+            _prefetch_l2(kc_base + ahead * kc_sn, ahead < end)
+            _prefetch_l2(vc_base + ahead * vc_sn, ahead < end)
         score = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         for s in tl.static_range(KEY_STAGES):
             code = tl.load(kc_base + n * kc_sn + s * kc_ss, mask=n_ok, other=0).to(tl.int32)
@@ -115,7 +133,8 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                   HI: tl.constexpr, LO: tl.constexpr, LO_BITS: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_B: tl.constexpr, TABLE_IEEE: tl.constexpr, EYE: tl.constexpr):
+                  BLOCK_B: tl.constexpr, TABLE_IEEE: tl.constexpr, EYE: tl.constexpr,
+                  PREFETCH: tl.constexpr):
     split = tl.program_id(0)
     pid_bhg = tl.program_id(1)
     # BLOCK_G heads in BLOCK_M >= 16 rows (tl.dot needs 16)
@@ -185,7 +204,7 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
             acc, l, top = _weights_pass(
                 tab, eye_ptr, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
                 KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO, LO_BITS,
-                BLOCK_G, BLOCK_N, EYE)
+                BLOCK_G, BLOCK_N, EYE, PREFETCH)
             # float16 keeps full precision down to 2^-14: if the best position lies far below
             # the bound, the weights near it would lose digits; redo with the true maximum
             if tl.max(tl.where(g_ok, m - top, 0.0), axis=0) > REF_SLACK:
@@ -193,7 +212,7 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                 acc, l, top = _weights_pass(
                     tab, eye_ptr, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn,
                     vc_ss, KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO,
-                    LO_BITS, BLOCK_G, BLOCK_N, EYE)
+                    LO_BITS, BLOCK_G, BLOCK_N, EYE, PREFETCH)
 
             # histogram times value codebooks: [heads, stages * centroids] @ [.., head_dim]
             rows3 = tl.arange(0, BLOCK_G * HI)
@@ -331,12 +350,36 @@ def _chunks(problem: DecodeProblem, plan: Plan) -> int:
     return math.ceil(problem.q_heads // problem.kv_heads / plan.block_g)
 
 
-SPLIT_WAVES = 2  # programs per multiprocessor aimed at; H200: 2 beat 4 at 128K, batch 1
+MAX_REGISTERS = 168  # per thread: three 4-warp programs fit a multiprocessor's 64K registers
 MIN_SPLIT_LEN = 1024  # H200: 1K positions per split beat 512 at batch 1 (fixed table cost)
+PROGRAM_COST = 1024  # a program's fixed work (score table, codebook product) in positions
+PREFETCH_STEPS = 2  # blocks ahead whose codes are requested into L2
 
 
-def choose_num_splits(problem: DecodeProblem, waves: int = SPLIT_WAVES) -> int:
-    """Splits so that about ``waves`` programs per multiprocessor run, none shorter than 1024."""
+def resident_programs(num_warps: int = 4) -> int:
+    """Programs of ``num_warps`` warps a multiprocessor holds at once (64K registers, each
+    thread capped at ``MAX_REGISTERS``)."""
+    return max(1, 65536 // (MAX_REGISTERS * 32 * num_warps))
+
+
+@functools.lru_cache(maxsize=1024)
+def _best_splits(programs_per_split: int, capacity: int, slots: int) -> int:
+    most = max(1, min(math.ceil(capacity / MIN_SPLIT_LEN), MAX_SPLITS))
+
+    def cost(splits: int) -> int:  # waves of programs x (positions per program + fixed work)
+        waves = math.ceil(programs_per_split * splits / slots)
+        return waves * (math.ceil(capacity / splits) + PROGRAM_COST)
+
+    return min(range(1, most + 1), key=lambda splits: (cost(splits), splits))
+
+
+def choose_num_splits(problem: DecodeProblem, num_warps: int = 4) -> int:
+    """The split count with the least modelled time: programs run in waves of
+    ``resident_programs`` per multiprocessor, and a wave lasts as long as its programs'
+    positions plus their fixed work (``PROGRAM_COST``). A partly filled last wave costs a whole
+    one, so the count aims at whole waves (H200: 1.12x faster than 2 programs per
+    multiprocessor at 128K, batch 32; 1.3x at batch 8). Splits are at least ``MIN_SPLIT_LEN``
+    positions long."""
     capacity = problem.key_codes.shape[2]
     if capacity == 0:
         return 1
@@ -346,19 +389,19 @@ def choose_num_splits(problem: DecodeProblem, waves: int = SPLIT_WAVES) -> int:
         sms = torch.cuda.get_device_properties(problem.query.device).multi_processor_count
     else:
         sms = 4
-    wanted = math.ceil(waves * sms / programs)
-    return max(1, min(wanted, math.ceil(capacity / MIN_SPLIT_LEN), MAX_SPLITS))
+    return _best_splits(programs, capacity, resident_programs(num_warps) * sms)
 
 
 def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
            num_stages: int = 1, block_n: int | None = None, hi_bits: int | None = None,
-           block_c: int = 64) -> torch.Tensor:
+           block_c: int = 64, prefetch: int | None = None) -> torch.Tensor:
     """Run the split and combine kernels on a validated problem; ``(batch, q_heads, head_dim)``.
 
     ``num_stages`` (software pipelining depth; 1, none, was fastest on the H200),
-    ``block_n`` (positions per step, a power of two >= 16), ``hi_bits`` (see :class:`Plan`)
-    and ``block_c`` (centroids per step of the score table and of the final codebook product,
-    a power of two >= 16) override the defaults, for tuning.
+    ``block_n`` (positions per step, a power of two >= 16), ``hi_bits`` (see :class:`Plan`),
+    ``block_c`` (centroids per step of the score table and of the final codebook product,
+    a power of two >= 16) and ``prefetch`` (blocks ahead whose codes are requested into L2;
+    0 for none, default ``PREFETCH_STEPS`` on a GPU) override the defaults, for tuning.
     """
     p = problem
     batch, q_heads, head_dim = p.query.shape
@@ -369,12 +412,18 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     for name, value in (("block_n", block_n), ("block_c", block_c)):
         if value is not None and (value < 16 or value & (value - 1)):
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    # Triton's interpreter runs no inline assembly and allocates no registers
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if prefetch is None:
+        prefetch = 0 if interpreted else PREFETCH_STEPS
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     plan = plan_for(p, hi_bits=hi_bits, block_n=block_n)
     if not plan.supported:
         raise ValueError(f"value_codebooks {tuple(p.value_codebooks.shape)}: the histogram "
                          f"does not fit the one-hot kernel")
     if num_splits is None:
-        num_splits = choose_num_splits(p)
+        num_splits = choose_num_splits(p, num_warps)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
     capacity = p.key_codes.shape[2]
@@ -402,6 +451,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
                                                  p.recent_values))
     kcb, vcb = p.key_codebooks, p.value_codebooks
     table_ieee = kcb.dtype == torch.float32  # fp16 and bf16 are exact in tf32
+    compile_options = {} if interpreted else {"maxnreg": MAX_REGISTERS}
     _split_kernel[(parts, batch * kv_heads * chunks)](
         p.query, kcb, vcb, kc, vc, p.archived_lengths,
         sk, sv, rk, rv, p.sink_lengths, p.recent_lengths,
@@ -418,8 +468,8 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
         HI=plan.hi, LO=plan.lo, LO_BITS=plan.lo_bits,
         BLOCK_G=plan.block_g, BLOCK_M=max(16, plan.block_g), BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_C=block_c, BLOCK_E=16, BLOCK_B=min(256, plan.key_codebook_p),
-        TABLE_IEEE=table_ieee, EYE=plan.eye,
-        num_warps=num_warps, num_stages=num_stages)
+        TABLE_IEEE=table_ieee, EYE=plan.eye, PREFETCH=prefetch,
+        num_warps=num_warps, num_stages=num_stages, **compile_options)
     out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=device)
     _combine_kernel[(batch * q_heads,)](
         o_part, ml_part, out, *o_part.stride()[:3], *ml_part.stride()[:3],

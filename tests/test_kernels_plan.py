@@ -68,3 +68,37 @@ def test_bad_block_sizes_are_refused(tuning):
     name = next(iter(tuning))
     with pytest.raises(ValueError, match=f"{name} must be a power of two >= 16"):
         _rvq_onehot.decode(problem, **tuning)
+
+
+def test_bad_prefetch_is_refused():
+    from kernels_cases import make_case
+
+    from kernels import _rvq_onehot
+    from kernels._validate import validate_decode_args
+
+    problem = validate_decode_args(**make_case())
+    with pytest.raises(ValueError, match="prefetch must be >= 0, got -1"):
+        _rvq_onehot.decode(problem, prefetch=-1)
+
+
+@pytest.mark.parametrize("programs,capacity,slots,expected", [
+    (1, 10**6, 396, 396),  # one program per split: exactly one full wave
+    (396, 10**6, 396, 1),  # the sequences alone fill a wave
+    (256, 131036, 396, 3),  # 2 splits would leave a second wave 29% full
+    (64, 131036, 396, 6),  # 384 programs: one wave, not 5 splits' 320
+    (8, 32732, 396, 32),  # capped by the 1024-position minimum
+])
+def test_split_count_fills_whole_waves(programs, capacity, slots, expected):
+    from kernels._rvq_onehot import _best_splits
+
+    assert _best_splits(programs, capacity, slots) == expected
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(programs=st.integers(1, 4096), capacity=st.integers(1, 1 << 21),
+       slots=st.integers(1, 2048))
+def test_split_count_bounds(programs, capacity, slots):
+    from kernels._rvq_onehot import MAX_SPLITS, MIN_SPLIT_LEN, _best_splits
+
+    splits = _best_splits(programs, capacity, slots)
+    assert 1 <= splits <= max(1, min(-(-capacity // MIN_SPLIT_LEN), MAX_SPLITS))
