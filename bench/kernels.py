@@ -341,6 +341,14 @@ def print_sweep_table(data):
               + " | ".join(cells) + " |")
 
 
+def default_variant(row):
+    """The kernel ``choose_variant`` runs for a result row's shape and batch."""
+    from kernels._variants import variant_for
+
+    shape = SHAPES[row["shape"]]
+    return variant_for(shape["q_heads"] // shape["kv_heads"], row["batch"])
+
+
 def print_table(data, min_context=0):
     """A markdown table of the results (speed-ups are SDPA time / kernel time)."""
     bw = data["copy_bandwidth_bytes_per_s"]
@@ -349,8 +357,6 @@ def print_table(data, min_context=0):
             "x SDPA", "x flash", "RVQ graph ms", "SDPA graph ms", "x SDPA graph",
             "atomic graph ms", "x atomic graph", "B/token RVQ", "B/token dense",
             "RVQ roofline ms", "default", "x SDPA graph, default")
-    from kernels._variants import variant_for_group
-
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in data["results"]:
@@ -366,8 +372,7 @@ def print_table(data, min_context=0):
                  fmt(atomic / r["rvq_graph_ms"] if atomic and r["rvq_graph_ms"] else None, 2),
                  fmt(r["rvq_bytes"] / tokens, 1), fmt(r["dense_bytes"] / tokens, 0),
                  fmt(r["rvq_bytes"] / bw * 1e3, 4)]
-        shape = SHAPES[r["shape"]]
-        default = variant_for_group(shape["q_heads"] // shape["kv_heads"])
+        default = default_variant(r)
         ms = r["rvq_graph_ms"] if r["rvq_variant"] == default else r.get(f"{default}_graph_ms")
         cells += [default, fmt(r["sdpa_graph_ms"] / ms if ms and r["sdpa_graph_ms"] else None, 2)]
         print("| " + " | ".join(str(c) for c in cells) + " |")
@@ -375,8 +380,6 @@ def print_table(data, min_context=0):
 
 def print_memory_table(data, min_context=0):
     """Device memory each op needs: its cache plus the extra peak of one call, in MB."""
-    from kernels._variants import variant_for_group
-
     head = ("shape", "K+V stages", "context", "batch", "coded cache MB", "one-hot extra MB",
             "atomic extra MB", "dense cache MB", "SDPA extra MB", "dense / coded, default")
     print("| " + " | ".join(head) + " |")
@@ -384,8 +387,7 @@ def print_memory_table(data, min_context=0):
     for r in data["results"]:
         if r["context"] < min_context:
             continue
-        shape = SHAPES[r["shape"]]
-        default = variant_for_group(shape["q_heads"] // shape["kv_heads"])
+        default = default_variant(r)
         extra = {"onehot": r.get("rvq_extra_peak_bytes"),
                  "atomic": r.get("atomic_extra_peak_bytes")}
         coded = r["coded_cache_bytes"] + (extra[default] or 0)
@@ -457,15 +459,11 @@ def plot_speedup(data, figure, min_context=0):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kernels._variants import variant_for_group
-
     rows = [r for r in data["results"] if r["context"] >= min_context]
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(SHAPES), figsize=(6 * len(SHAPES), 4), squeeze=False,
                              sharey=True)
     for ax, name in zip(axes[0], SHAPES, strict=True):
-        shape = SHAPES[name]
-        default = variant_for_group(shape["q_heads"] // shape["kv_heads"])
         labels, groups = [], []
         for stages in STAGES:
             for context in sorted({r["context"] for r in rows}):
@@ -481,6 +479,7 @@ def plot_speedup(data, figure, min_context=0):
                 r = sel.get(batch)
                 ms = None
                 if r is not None:
+                    default = default_variant(r)
                     key = "rvq" if r["rvq_variant"] == default else default
                     ms = r.get(f"{key}_graph_ms")
                 ys.append(r["sdpa_graph_ms"] / ms if r is not None and ms else 0.0)
@@ -489,7 +488,7 @@ def plot_speedup(data, figure, min_context=0):
         ax.axhline(2.0, color="k", linestyle="--", linewidth=1, label="target 2x")
         ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
         ax.set_xticks(range(len(groups)), labels, fontsize=8)
-        ax.set_title(f"{name} ({default} kernel)")
+        ax.set_title(f"{name} (the default kernel per batch)")
         ax.grid(True, axis="y", alpha=0.3)
     axes[0][0].set_ylabel("SDPA time / kernel time (CUDA graphs)")
     axes[0][0].legend(fontsize=8)

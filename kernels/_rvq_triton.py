@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels._validate import DecodeProblem
-from kernels._variants import VARIANTS, variant_for_group
+from kernels._variants import VARIANTS, variant_for
 
 LOG2E = 1.4426950408889634
 MAX_HEADS_PER_PROGRAM = 16  # query heads of one GQA group handled together (they share codes)
@@ -309,8 +309,8 @@ DEFAULT_VARIANT = "auto"  # choose_variant per problem
 
 
 def choose_variant(problem: DecodeProblem) -> str:
-    """The variant measured faster for this kind of problem (:func:`variant_for_group`)."""
-    return variant_for_group(problem.q_heads // problem.kv_heads)
+    """The variant measured faster for this kind of problem (:func:`variant_for`)."""
+    return variant_for(problem.q_heads // problem.kv_heads, problem.batch)
 
 
 def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,

@@ -51,7 +51,7 @@ def test_variant_choice_and_bad_variant():
 
     assert _rvq_triton.choose_variant(problem(batch=1, q_heads=8, kv_heads=2)) == "onehot"
     assert _rvq_triton.choose_variant(problem(batch=3, q_heads=8, kv_heads=2)) == "onehot"
-    assert _rvq_triton.choose_variant(problem(batch=1, q_heads=4, kv_heads=4)) == "atomic"
+    assert _rvq_triton.choose_variant(problem(batch=1, q_heads=4, kv_heads=4)) == "onehot"
     assert _rvq_triton.choose_variant(problem(batch=3, q_heads=4, kv_heads=4)) == "atomic"
     with pytest.raises(ValueError, match="variant"):
         _rvq_triton.decode(problem(dtype=torch.float16), variant="fast")
