@@ -280,6 +280,7 @@ def sweep_splits(device, split_factors=(0.5, 1, 2)):
     import torch
 
     from kernels import _rvq_onehot
+    from kernels._rvq_triton import split_layout
     from kernels._validate import validate_decode_args
 
     rows = []
@@ -287,8 +288,11 @@ def sweep_splits(device, split_factors=(0.5, 1, 2)):
         case = make_coded_case(SHAPES[name], stages, context, batch, device, torch.float16)
         problem = validate_decode_args(**case, check_codes=False)
         chosen = _rvq_onehot.choose_num_splits(problem)
+        block_n = _rvq_onehot.plan_for(problem).block_n
         for factor in split_factors:
-            splits = max(1, round(chosen * factor))
+            # the count the kernel runs (split lengths are whole blocks)
+            splits = split_layout(problem.key_codes.shape[2], max(1, round(chosen * factor)),
+                                  block_n)[1]
             for label, tuning in TUNINGS:
 
                 def fn(splits=splits, tuning=tuning, problem=problem):
@@ -322,8 +326,8 @@ def speedup(row, base="sdpa", graph=False):
 def print_sweep_table(data):
     """The sweep as a markdown table: one row per config, one column per split multiple and
     setting (CUDA-graph ms; the chosen split count in the config cell)."""
-    sweep = data.get("sweep")
-    if not sweep:
+    sweep = [r for r in data.get("sweep") or () if "split_factor" in r]
+    if not sweep:  # none, or an older sweep format
         return
     columns = sorted({(r["split_factor"], r["setting"]) for r in sweep},
                      key=lambda c: (c[0], [t[0] for t in TUNINGS].index(c[1])))
@@ -335,7 +339,7 @@ def print_sweep_table(data):
         rows = [r for r in sweep if (r["shape"], r["key_stages"], r["value_stages"],
                                      r["context"], r["batch"]) == (shape, ks, vs, context, batch)]
         ms = {(r["split_factor"], r["setting"]): r["graph_ms"] for r in rows}
-        chosen = next(r["num_splits"] for r in rows if r["split_factor"] == 1)
+        chosen = next((r["num_splits"] for r in rows if r["split_factor"] == 1), "?")
         cells = [fmt(ms.get(c)) for c in columns]
         print(f"| {shape} {ks}+{vs}, {context // 1024}K, batch {batch} ({chosen} splits) | "
               + " | ".join(cells) + " |")

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from kernels._rvq_triton import (
     LOG2E,
@@ -41,6 +41,7 @@ from kernels._rvq_triton import (
     _launchable,
     _pow2,
     _program_heads,
+    split_layout,
 )
 from kernels._validate import DecodeProblem
 
@@ -336,12 +337,13 @@ def _identity(size: int, device: torch.device) -> torch.Tensor:
     return eye
 
 
-def supports(problem: DecodeProblem, num_splits: int | None = None) -> bool:
+def supports(problem: DecodeProblem, num_splits: int | None = None,
+             num_warps: int = 4) -> bool:
     """Whether the one-hot kernel handles this problem (histogram fits, scratch bounded)."""
     plan = plan_for(problem)
     if not plan.supported:
         return False
-    splits = num_splits or choose_num_splits(problem)
+    splits = num_splits or choose_num_splits(problem, num_warps)
     programs = splits * problem.batch * problem.kv_heads * _chunks(problem, plan)
     return programs * plan.table_floats(problem.key_codebooks.shape[1]) * 4 <= MAX_TABLE_BYTES
 
@@ -358,28 +360,32 @@ PREFETCH_STEPS = 2  # blocks ahead whose codes are requested into L2
 
 def resident_programs(num_warps: int = 4) -> int:
     """Programs of ``num_warps`` warps a multiprocessor holds at once (64K registers, each
-    thread capped at ``MAX_REGISTERS``)."""
+    thread capped at ``MAX_REGISTERS``; at least 1)."""
     return max(1, 65536 // (MAX_REGISTERS * 32 * num_warps))
 
 
 @functools.lru_cache(maxsize=1024)
-def _best_splits(programs_per_split: int, capacity: int, slots: int) -> int:
+def _best_splits(programs_per_split: int, capacity: int, slots: int, block_n: int) -> int:
+    """The split count that :func:`split_layout` keeps (so the kernel runs exactly it) with the
+    least ``waves x (positions per split + PROGRAM_COST)``."""
     most = max(1, min(math.ceil(capacity / MIN_SPLIT_LEN), MAX_SPLITS))
-
-    def cost(splits: int) -> int:  # waves of programs x (positions per program + fixed work)
-        waves = math.ceil(programs_per_split * splits / slots)
-        return waves * (math.ceil(capacity / splits) + PROGRAM_COST)
-
-    return min(range(1, most + 1), key=lambda splits: (cost(splits), splits))
+    best = None
+    for wanted in range(1, most + 1):
+        split_len, splits = split_layout(capacity, wanted, block_n)
+        # the exact-token programs are short; they free their slots early and are not counted
+        cost = math.ceil(programs_per_split * splits / slots) * (split_len + PROGRAM_COST)
+        if best is None or cost < best[0]:
+            best = (cost, splits)
+    return best[1]
 
 
 def choose_num_splits(problem: DecodeProblem, num_warps: int = 4) -> int:
     """The split count with the least modelled time: programs run in waves of
     ``resident_programs`` per multiprocessor, and a wave lasts as long as its programs'
     positions plus their fixed work (``PROGRAM_COST``). A partly filled last wave costs a whole
-    one, so the count aims at whole waves (H200: 1.12x faster than 2 programs per
-    multiprocessor at 128K, batch 32; 1.3x at batch 8). Splits are at least ``MIN_SPLIT_LEN``
-    positions long."""
+    one, so the count aims at whole waves (H200 sweep in ``docs/kernels.md``: 1.15x faster than
+    half the splits at 128K / batch 32, 1.34x at 64K / batch 8). At most
+    ``capacity / MIN_SPLIT_LEN`` splits (rounded up)."""
     capacity = problem.key_codes.shape[2]
     if capacity == 0:
         return 1
@@ -389,7 +395,7 @@ def choose_num_splits(problem: DecodeProblem, num_warps: int = 4) -> int:
         sms = torch.cuda.get_device_properties(problem.query.device).multi_processor_count
     else:
         sms = 4
-    return _best_splits(programs, capacity, resident_programs(num_warps) * sms)
+    return _best_splits(programs, capacity, resident_programs(num_warps) * sms, plan.block_n)
 
 
 def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
@@ -412,10 +418,12 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     for name, value in (("block_n", block_n), ("block_c", block_c)):
         if value is not None and (value < 16 or value & (value - 1)):
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-    # Triton's interpreter runs no inline assembly and allocates no registers
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    # Triton's interpreter runs no inline assembly and allocates no registers; the L2 request
+    # and the register cap are NVIDIA's
+    nvidia = (not isinstance(_split_kernel, InterpretedFunction)
+              and torch.version.hip is None)
     if prefetch is None:
-        prefetch = 0 if interpreted else PREFETCH_STEPS
+        prefetch = PREFETCH_STEPS if nvidia else 0
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     plan = plan_for(p, hi_bits=hi_bits, block_n=block_n)
@@ -428,8 +436,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
         raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
     capacity = p.key_codes.shape[2]
     block_n = plan.block_n
-    split_len = max(block_n, math.ceil(max(capacity, 1) / num_splits / block_n) * block_n)
-    num_splits = max(1, math.ceil(capacity / split_len))
+    split_len, num_splits = split_layout(capacity, num_splits, block_n)
     chunks = _chunks(p, plan)
     device = p.query.device
     block_d = _pow2(head_dim, 16)
@@ -451,7 +458,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
                                                  p.recent_values))
     kcb, vcb = p.key_codebooks, p.value_codebooks
     table_ieee = kcb.dtype == torch.float32  # fp16 and bf16 are exact in tf32
-    compile_options = {} if interpreted else {"maxnreg": MAX_REGISTERS}
+    compile_options = {"maxnreg": MAX_REGISTERS} if nvidia else {}
     _split_kernel[(parts, batch * kv_heads * chunks)](
         p.query, kcb, vcb, kc, vc, p.archived_lengths,
         sk, sv, rk, rv, p.sink_lengths, p.recent_lengths,

@@ -275,6 +275,14 @@ def _pow2(x: int, floor: int = 1) -> int:
     return max(floor, triton.next_power_of_2(int(x)))
 
 
+def split_layout(capacity: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """``(split length, splits)`` for about ``num_splits`` splits of ``capacity`` positions:
+    lengths are whole blocks of ``block_n``, and no split is left empty (so there may be
+    fewer)."""
+    split_len = max(block_n, math.ceil(max(capacity, 1) / num_splits / block_n) * block_n)
+    return split_len, max(1, math.ceil(capacity / split_len))
+
+
 def histogram_columns(value_stages: int, value_codebook_size: int) -> int:
     """Columns of the value histogram of one query head (codebook padded to a power of two)."""
     return value_stages * _pow2(value_codebook_size)
@@ -330,7 +338,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     if variant == "onehot":
         from kernels import _rvq_onehot
 
-        if _rvq_onehot.supports(problem, num_splits):
+        if _rvq_onehot.supports(problem, num_splits, num_warps):
             return _rvq_onehot.decode(problem, num_splits=num_splits, num_warps=num_warps)
     return decode_atomic(problem, num_splits=num_splits, num_warps=num_warps)
 
@@ -356,8 +364,7 @@ def decode_atomic(problem: DecodeProblem, *, num_splits: int | None = None,
     block_g = heads_per_program(group)
     block_n = block_positions(group)
     capacity = p.key_codes.shape[2]
-    split_len = max(block_n, math.ceil(max(capacity, 1) / num_splits / block_n) * block_n)
-    num_splits = max(1, math.ceil(capacity / split_len))
+    split_len, num_splits = split_layout(capacity, num_splits, block_n)
     device = p.query.device
     chunks = math.ceil(group / block_g)
     block_d = _pow2(head_dim, 16)

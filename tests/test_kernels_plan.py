@@ -82,23 +82,42 @@ def test_bad_prefetch_is_refused():
 
 
 @pytest.mark.parametrize("programs,capacity,slots,expected", [
-    (1, 10**6, 396, 396),  # one program per split: exactly one full wave
+    (1, 10**6, 396, 391),  # one program per split: one wave, 391 of 396 slots (whole blocks)
     (396, 10**6, 396, 1),  # the sequences alone fill a wave
     (256, 131036, 396, 3),  # 2 splits would leave a second wave 29% full
-    (64, 131036, 396, 6),  # 384 programs: one wave, not 5 splits' 320
+    (64, 131036, 396, 6),  # 384 archive programs: one wave, not 5 splits' 320
     (8, 32732, 396, 32),  # capped by the 1024-position minimum
 ])
 def test_split_count_fills_whole_waves(programs, capacity, slots, expected):
     from kernels._rvq_onehot import _best_splits
 
-    assert _best_splits(programs, capacity, slots) == expected
+    assert _best_splits(programs, capacity, slots, 128) == expected
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(programs=st.integers(1, 4096), capacity=st.integers(1, 1 << 21),
-       slots=st.integers(1, 2048))
-def test_split_count_bounds(programs, capacity, slots):
+       slots=st.integers(1, 2048), block_n=st.sampled_from([16, 64, 128]))
+def test_split_count_is_what_the_kernel_runs(programs, capacity, slots, block_n):
     from kernels._rvq_onehot import MAX_SPLITS, MIN_SPLIT_LEN, _best_splits
+    from kernels._rvq_triton import split_layout
 
-    splits = _best_splits(programs, capacity, slots)
-    assert 1 <= splits <= max(1, min(-(-capacity // MIN_SPLIT_LEN), MAX_SPLITS))
+    splits = _best_splits(programs, capacity, slots, block_n)
+    assert 1 <= splits <= MAX_SPLITS
+    assert splits <= max(1, -(-capacity // MIN_SPLIT_LEN))
+    # decode rounds split lengths to whole blocks: the chosen count survives that unchanged
+    assert split_layout(capacity, splits, block_n)[1] == splits
+
+
+def test_choose_num_splits_uses_resident_programs():
+    from kernels_cases import make_case
+
+    from kernels._rvq_onehot import _best_splits, choose_num_splits, plan_for, resident_programs
+    from kernels._validate import validate_decode_args
+
+    problem = validate_decode_args(**make_case(batch=2, q_heads=8, kv_heads=2, archived=5000,
+                                               archived_lengths=[5000, 10]))
+    assert resident_programs(4) == 3 and resident_programs(8) == 1
+    block_n = plan_for(problem).block_n
+    for warps in (4, 8):  # the CPU stands in for 4 multiprocessors
+        assert choose_num_splits(problem, warps) == _best_splits(
+            2 * 2, 5000, resident_programs(warps) * 4, block_n)
