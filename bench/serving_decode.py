@@ -4,8 +4,10 @@ For each model (the Qwen3 stand-in from ``--model-dir``, and a random-initialise
 Qwen3-8B's attention shapes: hidden 4096, 32 query / 8 KV heads of 128, ``--big-layers`` layers)
 and each context length N, both caches are filled to N positions through ``Cache.update`` with
 random K/V (decode speed and bytes depend on shapes, not on values; codebooks are random too),
-then the model decodes ``--steps`` tokens on top of each, in the same process. Reported: tokens/s,
-the bytes the cache holds, and the peak extra CUDA memory of one decode step.
+then the model decodes ``--steps`` tokens on top of each, in the same process. The codes-only
+cache runs twice: quantizing each position as it leaves the recent window (``codes``), and in
+groups of ``--block`` (``grouped``). Reported: tokens/s, the bytes the cache holds, and the peak
+extra CUDA memory of one decode step.
 
 Writes ``bench/results/serving-decode.json`` and prints a table.
 """
@@ -86,7 +88,7 @@ def decode(model, cache, steps, device, warmup=3):
     return steps / seconds, (torch.cuda.max_memory_allocated() - base) if cuda else float("nan")
 
 
-def run(name, model, contexts, steps, dtype, device):
+def run(name, model, contexts, steps, dtype, device, block):
     from transformers import DynamicCache
 
     shape = kv_shape(model)
@@ -95,19 +97,21 @@ def run(name, model, contexts, steps, dtype, device):
     for n in contexts:
         row = {"model": name, "context": n}
         for label, make in (("dynamic", lambda: DynamicCache(config=model.config)),
-                            ("codes", lambda: CodesOnlyCache(model, q))):
+                            ("codes", lambda: CodesOnlyCache(model, q)),
+                            ("grouped", lambda: CodesOnlyCache(model, q, block=block))):
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
             cache = make()
             fill(cache, shape, n, device, dtype)
-            held = (cache.live_bytes()["total"] if label == "codes"
-                    else dense_cache_bytes(cache))
+            held = (dense_cache_bytes(cache) if label == "dynamic"
+                    else cache.live_bytes()["total"])
             tps, peak = decode(model, cache, steps, device)
             row |= {f"{label}_tok_s": tps, f"{label}_cache_MiB": held / 2**20,
                     f"{label}_step_peak_MiB": peak / 2**20}
             del cache
         row["memory_ratio"] = row["dynamic_cache_MiB"] / row["codes_cache_MiB"]
         row["speed_ratio"] = row["codes_tok_s"] / row["dynamic_tok_s"]
+        row["grouped_speed_ratio"] = row["grouped_tok_s"] / row["dynamic_tok_s"]
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -139,7 +143,10 @@ def main(argv=None):
     parser.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768, 131072])
     parser.add_argument("--big-layers", type=int, default=8,
                         help="layers of the Qwen3-8B-shaped model (0: skip it)")
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=32,
+                        help="decode steps timed (a multiple of --block counts its groups fairly)")
+    parser.add_argument("--block", type=int, default=16,
+                        help="the 'grouped' codes-only cache quantizes this many positions at once")
     parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a check)")
     parser.add_argument("--out", default="serving-decode")
     parser.add_argument("--profile", action="store_true",
@@ -156,15 +163,18 @@ def main(argv=None):
 
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).to(device)
         rows += run("standin-qwen3", use_codes_attention(model.eval()), args.contexts, args.steps,
-                    dtype, device)
+                    dtype, device, args.block)
         del model
     if args.big_layers:
         model = use_codes_attention(big_qwen3(args.big_layers, device, dtype))
         rows += run(f"qwen3-8b-shapes-{args.big_layers}L", model, args.contexts, args.steps,
-                    dtype, device)
+                    dtype, device, args.block)
     print(markdown_table(rows, [
         ("model", "model"), ("context", "context"), ("dynamic_tok_s", "DynamicCache tok/s"),
-        ("codes_tok_s", "codes-only tok/s"), ("dynamic_cache_MiB", "DynamicCache MiB"),
+        ("codes_tok_s", "codes-only tok/s"), ("grouped_tok_s", f"block={args.block} tok/s"),
+        ("speed_ratio", "codes / dynamic"),
+        ("grouped_speed_ratio", f"block={args.block} / dynamic"),
+        ("dynamic_cache_MiB", "DynamicCache MiB"),
         ("codes_cache_MiB", "codes-only MiB"), ("memory_ratio", "memory ratio"),
         ("codes_step_peak_MiB", "codes step peak MiB")]))
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else None

@@ -109,7 +109,7 @@ class CodesOnlyLayer(CacheLayerMixin):
             self.tail_v = torch.cat([self.tail_v, value_states[:, :, take:]], 2)
         self.length += key_states.shape[2]
         end = self.length - recent
-        if end > self.archived_end:
+        if end - self.archived_end >= self.cache.block:
             self._archive(end)
         self.keys, self.values = self.tail_k, self.tail_v
         # the layer rides on a fresh view so the attention function can find the codes
@@ -302,6 +302,15 @@ class CodesOnlyCache(Cache):
         recent: most recent positions kept exact.
         rewind: extra exact positions kept behind the recent window so that ``crop`` can step
             back that far past the archive boundary.
+        block: quantize positions leaving the recent window in groups of at least this many
+            (as :class:`~model_adapters.hf_cache.ArchivingCache` does): the window then holds
+            ``recent`` to ``recent + block - 1`` exact positions, and the codebooks are read
+            and the exact tail trimmed once per group instead of every step. With ``block >
+            1`` the archive boundary depends on the path: a prefill archives everything past
+            the window at once, and ``crop`` leaves the boundary at ``length - recent`` at
+            most (as with ``block=1``), where a fresh run to the same length may have archived
+            up to ``block - 1`` fewer positions; so "crop, then continue" equals a fresh run
+            only for ``block=1``.
         rows: collector receiving one row of codes per archived token
             (:class:`~model_adapters.code_rows.CodeRows`; batch 1 only).
         backend: for float16/bfloat16 decode steps, passed to
@@ -322,11 +331,14 @@ class CodesOnlyCache(Cache):
         rewind: int = 0,
         rows=None,
         backend: str = "auto",
+        block: int = 1,
     ):
         shape: KVShape = kv_shape(model_or_config)
-        for name, v in (("sinks", sinks), ("recent", recent), ("rewind", rewind)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        for name, v, low in (("sinks", sinks, 0), ("recent", recent, 0), ("rewind", rewind, 0),
+                             ("block", block, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                kind = "a positive" if low else "a non-negative"
+                raise ValueError(f"{name} must be {kind} int, got {v!r}")
         if not isinstance(quantizer, KVQuantizer):
             raise TypeError(f"quantizer must be a KVQuantizer, got {type(quantizer).__name__}")
         if quantizer.shape != shape:
@@ -351,7 +363,7 @@ class CodesOnlyCache(Cache):
             )
         self.shape = shape
         self.quantizer = quantizer
-        self.sinks, self.recent, self.rewind = sinks, recent, rewind
+        self.sinks, self.recent, self.rewind, self.block = sinks, recent, rewind, block
         self.rows = rows
         self.backend = backend
         self.archive_hooks: list = []

@@ -9,7 +9,8 @@ One archive file holds everything a later process needs to continue a sequence (
   ``exact_tail_keys`` / ``exact_tail_values`` (the recent window plus the rewind margin), in the
   cache's dtype (bfloat16 stored as float32, exactly), written by :meth:`ServingArchive.checkpoint`;
 - attributes ``serving_length``, ``serving_archived``, ``serving_tail_start``, ``serving_rewind``,
-  ``serving_dtype``: the checkpoint the arrays belong to;
+  ``serving_block``, ``serving_dtype``: the checkpoint the arrays belong to (``serving_block``
+  absent in archives written before it: 1);
 - for a fork (:func:`fork`): ``parent`` (the parent file, relative to this one's folder),
   ``parent_tokens`` and ``parent_archived``: the streams here hold only what follows those.
 
@@ -169,6 +170,7 @@ class ServingArchive:
         attrs["serving_archived"] = cache.archived_tokens
         attrs["serving_tail_start"] = layers[0].tail_start
         attrs["serving_rewind"] = cache.rewind
+        attrs["serving_block"] = cache.block
         attrs["serving_dtype"] = str(dtype).replace("torch.", "")
         self.archive.flush()
 
@@ -277,10 +279,13 @@ def create(
     backend: str = "auto",
     tokenizer=None,
     mode: str = "w-",
+    block: int = 1,
 ) -> ServingArchive:
-    """A new archive at ``path`` and an empty codes-only cache writing to it (batch 1)."""
+    """A new archive at ``path`` and an empty codes-only cache writing to it (batch 1);
+    ``block`` as in :class:`~model_adapters.serving.CodesOnlyCache` (kept by checkpoints)."""
     cache = CodesOnlyCache(
-        model, quantizer, sinks=sinks, recent=recent, rewind=rewind, backend=backend
+        model, quantizer, sinks=sinks, recent=recent, rewind=rewind, backend=backend,
+        block=block,
     )
     ar, codes = open_for_writing(path, model, quantizer, sinks=sinks, recent=recent, mode=mode)
     ar.create_stream(TOKENS_STREAM, alphabet_size=_vocab_size(model), width=1)
@@ -435,6 +440,8 @@ def _rebuild(ar, model, quantizer, backend, codes_view, tokens) -> CodesOnlyCach
         recent=int(attrs["recent"]),
         rewind=int(attrs["serving_rewind"]),
         backend=backend,
+        # archives checkpointed before the option existed quantized every step
+        block=int(attrs["serving_block"]) if "serving_block" in attrs else 1,
     )
     if length == 0:
         return cache

@@ -67,6 +67,25 @@ def test_resume_continues_with_the_live_caches_logits(arch, tmp_path):
     assert state(path)[1] == {"codes": 33, "tokens": 40}
 
 
+def test_resume_keeps_the_grouping(tmp_path):
+    model = use_codes_attention(TINY_MODELS["gpt2"]())
+    q = random_quantizer(model)
+    path = tmp_path / "grouped.fkv"
+    with serving_archive.create(path, model, q, block=4, **WINDOW) as sa:
+        feed(model, sa, IDS[:, :30])
+        # 3 positions past the window after the prefill wait; groups of 4 leave it at
+        # lengths 11, 15, ..., 27
+        assert sa.cache.archived_tokens == len(sa.codes) == 20
+    live = CodesOnlyCache(model, q, block=4, **WINDOW)
+    want = feed(model, live, IDS)[:, 30:]
+    resumed = serving_archive.resume(path, model)
+    assert resumed.cache.block == 4
+    got = torch.cat([resumed.forward(model, IDS[:, t : t + 1]).logits for t in range(30, 40)], 1)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert resumed.cache.archived_tokens == live.archived_tokens == 32  # at 31, 35, 39
+    resumed.close()
+
+
 def test_resume_generates_like_the_live_cache(tmp_path):
     model, q, path = written(tmp_path, "qwen3", 20)
     live = CodesOnlyCache(model, q, **WINDOW)

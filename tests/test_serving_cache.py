@@ -46,6 +46,28 @@ def test_logits_equal_archiving_cache(arch, sinks, recent, prefill, chunk):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+@pytest.mark.parametrize(("block", "prefill", "chunk"), [(4, 20, 1), (3, 10, 5), (16, 1, 1)])
+def test_grouped_archiving_matches_the_archiving_cache(arch, block, prefill, chunk):
+    ref, model = model_pair(arch)
+    q = random_quantizer(ref)
+    arc, codes = caches(ref, model, q, sinks=2, recent=6, block=block)
+    kw_ref, kw = cache_kwarg(ref), cache_kwarg(model)
+    windows = []
+    with torch.no_grad():
+        for t in [0, *range(prefill, 48, chunk)]:
+            ids = IDS[:, t : prefill if t == 0 else t + chunk]
+            want = ref(ids, **{kw_ref: arc}).logits
+            got = model(ids, **{kw: codes}).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert codes.archived_tokens == arc.archived_tokens
+            windows.append(codes.get_seq_length() - 2 - codes.archived_tokens)
+    # the exact window holds recent .. recent + block - 1 positions once it is full
+    assert all(w < 6 + block for w in windows)
+    assert max(windows) > 6 or block == 1
+    assert codes.archived_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
 def test_codes_are_the_archiving_caches_codes(arch):
     ref, model = model_pair(arch)
     q = random_quantizer(ref)
@@ -175,6 +197,8 @@ def test_bad_arguments():
         CodesOnlyCache(model, q.prefix(2, 0))
     with pytest.raises(ValueError, match="rewind"):
         CodesOnlyCache(model, q, rewind=-1)
+    with pytest.raises(ValueError, match="block must be a positive int, got 0"):
+        CodesOnlyCache(model, q, block=0)
     with pytest.raises(ValueError, match="backend"):
         CodesOnlyCache(model, q, backend="cuda")
     with pytest.raises(TypeError, match="KVQuantizer"):

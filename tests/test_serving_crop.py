@@ -66,6 +66,33 @@ def test_crop_then_continue_equals_fresh_run(arch, back):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+@pytest.mark.parametrize("back", [1, 3])
+def test_grouped_crop_keeps_the_codes_below_the_window(arch, back):
+    _, model = model_pair(arch)
+    q = random_quantizer(model)
+    cache = CodesOnlyCache(model, q, block=3, **WINDOW)
+    run(model, cache, 30)
+    before = [layer.dense(torch.float32) for layer in cache.layers]
+    boundary = cache.archived_tokens
+    cache.crop(-back)
+    n = 30 - back
+    kept = min(boundary, n - 2 - 5)  # past length - recent, positions are exact again
+    assert cache.get_seq_length() == n and cache.archived_tokens == kept
+    for layer, (k, v) in zip(cache.layers, before, strict=True):
+        k2, v2 = layer.dense(torch.float32)
+        assert k2.shape[2] == n
+        assert torch.equal(k2[:, :, : 2 + kept], k[:, :, : 2 + kept])
+        assert torch.equal(v2[:, :, : 2 + kept], v[:, :, : 2 + kept])
+    # it continues, archiving in groups of at least 3 again
+    counts = [cache.archived_tokens]
+    for t in range(n, 44):
+        run(model, cache, t + 1, start=t)
+        counts.append(cache.archived_tokens)
+    grown = [b - a for a, b in zip(counts, counts[1:], strict=False) if b != a]
+    assert grown and all(g >= 3 for g in grown)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
 def test_crop_into_the_sinks_then_continue(arch):
     _, model = model_pair(arch)
     q = random_quantizer(model)
