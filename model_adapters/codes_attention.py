@@ -5,9 +5,11 @@ for its archived positions, so its ``update`` returns the exact recent keys with
 attached (attribute :data:`LAYER_ATTR`), and the attention function registered here under
 :data:`CODES_ATTENTION` reads the codes from that layer:
 
-- one query token and no masked position (plain decoding): :func:`kernels.rvq_decode_attention`
-  for float16/bfloat16 (the Triton kernel on CUDA, its plain-torch path on the CPU), else
-  :func:`lookup_attention`, which works in float32 on any device;
+- one query token and no masked position (plain decoding): on a GPU, for float16/bfloat16,
+  :func:`kernels.rvq_decode_attention` (the Triton kernel, or its dequantizing torch reference
+  with the layer's ``backend="torch"``); everywhere else :func:`lookup_attention`, which works
+  in float32 on any device and, on a CPU, reads a few bytes per archived position instead of
+  decoding the archive (``docs/serving.md``, "Decode on a CPU");
 - one query token with masked positions (left-padded batches): :func:`lookup_attention`;
 - several query tokens (prefill, chunked prefill, verification of draft tokens): the layer's codes
   are decoded into a dense K/V that lives only for this call, and the usual SDPA runs with the
@@ -134,7 +136,8 @@ def codes_attention_forward(
     state = layer.attention_state()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if query.shape[2] == 1 and state.archived:
-        if _all_visible(attention_mask) and query.dtype in _KERNEL_DTYPES:
+        kernel = query.is_cuda or layer.backend == "triton"  # triton: also the CPU interpreter
+        if kernel and _all_visible(attention_mask) and query.dtype in _KERNEL_DTYPES:
             from kernels import rvq_decode_attention
 
             def segment(t):

@@ -313,8 +313,11 @@ class CodesOnlyCache(Cache):
             only for ``block=1``.
         rows: collector receiving one row of codes per archived token
             (:class:`~model_adapters.code_rows.CodeRows`; batch 1 only).
-        backend: for float16/bfloat16 decode steps, passed to
-            :func:`kernels.rvq_decode_attention` (``"auto"``: Triton on CUDA, torch elsewhere).
+        backend: for float16/bfloat16 decode steps on a GPU, passed to
+            :func:`kernels.rvq_decode_attention` (``"auto"`` or ``"triton"``: the Triton kernel;
+            ``"torch"``: its dequantizing reference). On a CPU decode steps use the float32
+            look-up path (:func:`~model_adapters.codes_attention.lookup_attention`) unless
+            ``"triton"`` asks for the kernel (under Triton's interpreter).
 
     Attention sees exactly what the archiving cache's does (sinks and recent exact, the
     reconstruction in between), so logits agree with

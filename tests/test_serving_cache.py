@@ -89,7 +89,7 @@ def test_codes_are_the_archiving_caches_codes(arch):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
-def test_bfloat16_decode_goes_through_the_kernel_api(arch):
+def test_bfloat16_decode_matches_the_archiving_cache(arch):
     ref, model = model_pair(arch, torch.bfloat16)
     q = random_quantizer(ref)
     arc, codes = caches(ref, model, q, sinks=4, recent=6)
@@ -115,6 +115,24 @@ def test_bfloat16_decode_goes_through_the_kernel_api(arch):
         s.key_codebooks, s.value_codebooks, s.recent_keys, s.recent_values, scale=scale,
     )
     torch.testing.assert_close(kernel.float(), look[:, :, 0], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_cpu_decode_takes_the_lookup_path(backend, monkeypatch):
+    import kernels
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a CPU decode step called the kernel API")
+
+    ref, model = model_pair("qwen3", torch.bfloat16)
+    q = random_quantizer(ref)
+    arc, codes = caches(ref, model, q, sinks=2, recent=4)
+    codes.backend = backend
+    monkeypatch.setattr(kernels, "rvq_decode_attention", refuse)
+    want = step_logits(ref, arc, IDS, 12).float()
+    got = step_logits(model, codes, IDS, 12).float()
+    assert codes.archived_tokens == 48 - 6
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
