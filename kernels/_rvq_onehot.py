@@ -32,7 +32,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from kernels._rvq_triton import (
     LOG2E,
@@ -41,6 +40,7 @@ from kernels._rvq_triton import (
     _launchable,
     _pow2,
     _program_heads,
+    interpreted,
     split_layout,
 )
 from kernels._validate import DecodeProblem
@@ -420,8 +420,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
     # Triton's interpreter runs no inline assembly and allocates no registers; the L2 request
     # and the register cap are NVIDIA's
-    nvidia = (not isinstance(_split_kernel, InterpretedFunction)
-              and torch.version.hip is None)
+    nvidia = not interpreted() and torch.version.hip is None
     if prefetch is None:
         prefetch = PREFETCH_STEPS if nvidia else 0
     if prefetch < 0:

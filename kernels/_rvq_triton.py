@@ -32,6 +32,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from kernels._validate import DecodeProblem
 from kernels._variants import VARIANTS, variant_for
@@ -262,6 +263,11 @@ def _exact_and_combine_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, r
     out = (acc * w_exact[:, None] + values * w_arch[:, None]) / total[:, None]
     tl.store(out_ptr + b * o_sb + heads[:, None] * o_sh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def interpreted() -> bool:
+    """Whether Triton's CPU interpreter runs these kernels (``TRITON_INTERPRET`` at import)."""
+    return isinstance(_score_table_kernel, InterpretedFunction)
 
 
 def _launchable(exact: torch.Tensor) -> torch.Tensor:

@@ -93,4 +93,8 @@ def rvq_decode_attention(
         raise ValueError("backend='triton' needs the triton package (the 'gpu' extra)")
     from kernels import _rvq_triton
 
+    if not query.is_cuda and not _rvq_triton.interpreted():
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 from process start, "
+            f"Triton's CPU interpreter); the query is on {query.device}")
     return _rvq_triton.decode(problem, num_splits=num_splits)

@@ -5,11 +5,12 @@ for its archived positions, so its ``update`` returns the exact recent keys with
 attached (attribute :data:`LAYER_ATTR`), and the attention function registered here under
 :data:`CODES_ATTENTION` reads the codes from that layer:
 
-- one query token and no masked position (plain decoding): on a GPU, for float16/bfloat16,
-  :func:`kernels.rvq_decode_attention` (the Triton kernel, or its dequantizing torch reference
-  with the layer's ``backend="torch"``); everywhere else :func:`lookup_attention`, which works
-  in float32 on any device and, on a CPU, reads a few bytes per archived position instead of
-  decoding the archive (``docs/serving.md``, "Decode on a CPU");
+- one query token and no masked position (plain decoding), float16/bfloat16:
+  :func:`kernels.rvq_decode_attention` when the layer's ``backend`` asks for it (``"triton"``;
+  ``"auto"`` for CUDA tensors with triton installed; ``"torch"``, the dequantizing reference,
+  for CUDA tensors); everything else, a CPU included, :func:`lookup_attention`, which works in
+  float32 on any device and reads a few bytes per archived position instead of decoding the
+  archive (``docs/serving.md``, "Decode on a CPU");
 - one query token with masked positions (left-padded batches): :func:`lookup_attention`;
 - several query tokens (prefill, chunked prefill, verification of draft tokens): the layer's codes
   are decoded into a dense K/V that lives only for this call, and the usual SDPA runs with the
@@ -106,6 +107,17 @@ def lookup_attention(
     return out.reshape(batch, q_heads, q_len, dim).to(query.dtype)
 
 
+def _kernel_path(backend: str, query: torch.Tensor) -> bool:
+    """Whether a decode step goes to :func:`kernels.rvq_decode_attention` (see the module)."""
+    if backend == "triton":  # on CPU tensors the kernel API explains what it needs
+        return True
+    if backend == "auto":
+        from kernels.rvq_decode import triton_available
+
+        return query.is_cuda and triton_available()
+    return query.is_cuda
+
+
 def _all_visible(mask: torch.Tensor | None) -> bool:
     if mask is None:
         return True
@@ -136,8 +148,8 @@ def codes_attention_forward(
     state = layer.attention_state()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if query.shape[2] == 1 and state.archived:
-        kernel = query.is_cuda or layer.backend == "triton"  # triton: also the CPU interpreter
-        if kernel and _all_visible(attention_mask) and query.dtype in _KERNEL_DTYPES:
+        kernel = _kernel_path(layer.backend, query) and query.dtype in _KERNEL_DTYPES
+        if kernel and _all_visible(attention_mask):
             from kernels import rvq_decode_attention
 
             def segment(t):

@@ -1,14 +1,16 @@
 """A transformers cache whose archived positions live only as residual-VQ codes.
 
 Positions follow the archiving cache (:mod:`model_adapters.hf_cache`): the first ``sinks`` and
-the last ``recent`` positions are exact, every position in between is archived. Here an archived
+the last ``recent`` positions are exact (up to ``recent + block - 1`` with ``block``), every
+position in between is archived. Here an archived
 position keeps only its codes, ``(batch, kv_heads, archived, stages)`` uint8/int16 per side, and
 the codebooks are held once; attention reads them through the function registered by
 :mod:`model_adapters.codes_attention`, which the model must use (:func:`use_codes_attention`).
 
 Rewinding: ``crop`` can only restore positions whose exact K/V is still held. ``rewind`` extra
 exact positions are kept behind the recent window for that (speculative decoding needs a few);
-with them, crop-then-continue is the same computation as a fresh run on the shorter prefix.
+with them, crop-then-continue is the same computation as a fresh run on the shorter prefix
+(with the default ``block=1``).
 """
 
 from __future__ import annotations
@@ -313,11 +315,12 @@ class CodesOnlyCache(Cache):
             only for ``block=1``.
         rows: collector receiving one row of codes per archived token
             (:class:`~model_adapters.code_rows.CodeRows`; batch 1 only).
-        backend: for float16/bfloat16 decode steps on a GPU, passed to
-            :func:`kernels.rvq_decode_attention` (``"auto"`` or ``"triton"``: the Triton kernel;
-            ``"torch"``: its dequantizing reference). On a CPU decode steps use the float32
-            look-up path (:func:`~model_adapters.codes_attention.lookup_attention`) unless
-            ``"triton"`` asks for the kernel (under Triton's interpreter).
+        backend: the path of float16/bfloat16 decode steps: ``"triton"``, the Triton kernel of
+            :func:`kernels.rvq_decode_attention` (CUDA tensors, or Triton's CPU interpreter);
+            ``"auto"``, that kernel for CUDA tensors when triton is installed; ``"torch"``, the
+            kernel API's dequantizing reference for CUDA tensors. Every other decode step
+            takes the float32 look-up path
+            (:func:`~model_adapters.codes_attention.lookup_attention`).
 
     Attention sees exactly what the archiving cache's does (sinks and recent exact, the
     reconstruction in between), so logits agree with

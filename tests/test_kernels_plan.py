@@ -121,3 +121,16 @@ def test_choose_num_splits_uses_resident_programs():
     for warps in (4, 8):  # the CPU stands in for 4 multiprocessors
         assert choose_num_splits(problem, warps) == _best_splits(
             2 * 2, 5000, resident_programs(warps) * 4, block_n)
+
+
+def test_triton_backend_on_cpu_tensors_needs_the_interpreter():
+    import os
+
+    from kernels_cases import make_case
+
+    from kernels import rvq_decode_attention
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process interprets: the CPU launch is legal here")
+    with pytest.raises(ValueError, match="needs CUDA tensors .*TRITON_INTERPRET=1.* on cpu"):
+        rvq_decode_attention(**make_case(), backend="triton")

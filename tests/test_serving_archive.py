@@ -86,6 +86,17 @@ def test_resume_keeps_the_grouping(tmp_path):
     resumed.close()
 
 
+def test_archives_without_the_grouping_attribute_resume_ungrouped(tmp_path):
+    import fkvstore
+
+    model, q, path = written(tmp_path, "gpt2", 20)
+    with fkvstore.open(path, "r+") as ar:  # as checkpoints wrote them before the option
+        del ar.attrs["serving_block"]
+    resumed = serving_archive.resume(path, model)
+    assert resumed.cache.block == 1 and resumed.cache.archived_tokens == 13
+    resumed.close()
+
+
 def test_resume_generates_like_the_live_cache(tmp_path):
     model, q, path = written(tmp_path, "qwen3", 20)
     live = CodesOnlyCache(model, q, **WINDOW)

@@ -63,7 +63,7 @@ def test_grouped_archiving_matches_the_archiving_cache(arch, block, prefill, chu
             windows.append(codes.get_seq_length() - 2 - codes.archived_tokens)
     # the exact window holds recent .. recent + block - 1 positions once it is full
     assert all(w < 6 + block for w in windows)
-    assert max(windows) > 6 or block == 1
+    assert max(windows) > 6
     assert codes.archived_tokens > 0
 
 
@@ -95,7 +95,7 @@ def test_bfloat16_decode_matches_the_archiving_cache(arch):
     arc, codes = caches(ref, model, q, sinks=4, recent=6)
     want = step_logits(ref, arc, IDS, 12).float()
     got = step_logits(model, codes, IDS, 12).float()
-    # bf16 logits: the kernel adds centroids in float32, the archiving cache stores them in bf16
+    # bf16 logits: decoding adds centroids in float32, the archiving cache stores them in bf16
     assert (got - want).abs().max() < 0.05 * want.abs().max()
     # the kernel call and the float32 look-up path agree on the same layer state
     from kernels import rvq_decode_attention

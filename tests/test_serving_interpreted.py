@@ -23,13 +23,26 @@ from serving_fixtures import (  # noqa: E402
 from model_adapters.serving import CodesOnlyCache, use_codes_attention  # noqa: E402
 
 
-def test_triton_decode_matches_the_torch_path():
+def test_triton_decode_matches_the_lookup_path(monkeypatch):
+    import kernels
+
+    calls = []
+    kernel_api = kernels.rvq_decode_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["backend"])
+        return kernel_api(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "rvq_decode_attention", spy)
     # Qwen3: grouped queries and RoPE'd keys (GPT-2's plain heads take the same kernel path)
     model = use_codes_attention(TINY_MODELS["qwen3"]().to(torch.bfloat16))
     q = random_quantizer(model)
     ids = torch.randint(2, 100, (2, 25), generator=torch.Generator().manual_seed(5))
     window = dict(sinks=2, recent=4)
+    # on the CPU "torch" takes the float32 look-up path, "triton" the kernel
     want = step_logits(model, CodesOnlyCache(model, q, backend="torch", **window), ids, 22)
+    assert not calls
     got = step_logits(model, CodesOnlyCache(model, q, backend="triton", **window), ids, 22)
+    assert calls and set(calls) == {"triton"}
     want, got = want.float(), got.float()
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
