@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels._validate import validate_decode_args
@@ -9,6 +11,7 @@ from kernels._validate import validate_decode_args
 BACKENDS = ("auto", "triton", "torch")
 
 
+@functools.cache
 def triton_available() -> bool:
     """Whether the triton package can be imported (it is the ``gpu`` extra)."""
     try:

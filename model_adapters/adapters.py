@@ -85,6 +85,16 @@ def _adapt(config) -> tuple[KVShape, dict]:
     return _ADAPTERS[model_type](config)
 
 
+def check_window(**counts: int) -> None:
+    """Raise ValueError naming the first cache-window count that is not an int >= 0 (``block``:
+    >= 1, a group of positions)."""
+    for name, v in counts.items():
+        low = 1 if name == "block" else 0
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            kind = "a positive" if low else "a non-negative"
+            raise ValueError(f"{name} must be {kind} int, got {v!r}")
+
+
 def kv_shape(config) -> KVShape:
     """KV cache shape of a transformers model or config (GPT-2 or Qwen3)."""
     return _adapt(config)[0]

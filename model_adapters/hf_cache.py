@@ -20,7 +20,7 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from model_adapters.adapters import KVShape, kv_shape
+from model_adapters.adapters import KVShape, check_window, kv_shape
 from model_adapters.code_rows import CodeRows
 from model_adapters.quantizer import KVQuantizer
 
@@ -135,10 +135,7 @@ class ArchivingCache(Cache):
         block: int = 1,
     ):
         shape: KVShape = kv_shape(model_or_config)
-        for name, v, low in (("sinks", sinks, 0), ("recent", recent, 0), ("block", block, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                kind = "a positive" if low else "a non-negative"
-                raise ValueError(f"{name} must be {kind} int, got {v!r}")
+        check_window(sinks=sinks, recent=recent, block=block)
         if quantizer is not None:
             if quantizer.shape != shape:
                 raise ValueError(

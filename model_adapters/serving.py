@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from model_adapters.adapters import KVShape, kv_shape
+from model_adapters.adapters import KVShape, check_window, kv_shape
 from model_adapters.codes_attention import CODES_ATTENTION, LAYER_ATTR, use_codes_attention
 from model_adapters.quantizer import KVQuantizer
 from model_adapters.rvq import decode
@@ -340,11 +340,7 @@ class CodesOnlyCache(Cache):
         block: int = 1,
     ):
         shape: KVShape = kv_shape(model_or_config)
-        for name, v, low in (("sinks", sinks, 0), ("recent", recent, 0), ("rewind", rewind, 0),
-                             ("block", block, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                kind = "a positive" if low else "a non-negative"
-                raise ValueError(f"{name} must be {kind} int, got {v!r}")
+        check_window(sinks=sinks, recent=recent, rewind=rewind, block=block)
         if not isinstance(quantizer, KVQuantizer):
             raise TypeError(f"quantizer must be a KVQuantizer, got {type(quantizer).__name__}")
         if quantizer.shape != shape:
