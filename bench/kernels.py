@@ -269,9 +269,14 @@ def time_variant(problem, variant, prefix, graphs):
 SWEPT = [("qwen3-8b", (2, 2), 32768, 1), ("qwen3-8b", (2, 2), 131072, 1),
          ("qwen3-8b", (4, 2), 65536, 8), ("qwen3-8b", (2, 2), 131072, 32),
          ("gpt2", (2, 2), 131072, 8)]
-# one-hot kernel settings beside the defaults: no L2 requests ahead (the previous kernel), and
-# half the positions per step
-TUNINGS = [("default", {}), ("no prefetch", {"prefetch": 0}), ("half block", {"block_n": 64})]
+TUNINGS = ("default", "no prefetch", "half block", "other table layout")
+
+
+def tunings(plan):
+    """One-hot kernel settings beside the defaults: no L2 requests ahead (the previous
+    kernel), half the positions per step, and the score-table layout the plan does not pick."""
+    return {"default": {}, "no prefetch": {"prefetch": 0}, "half block": {"block_n": 64},
+            "other table layout": {"centroid_major": not plan.centroid_major}}
 
 
 def sweep_splits(device, split_factors=(0.5, 1, 2)):
@@ -288,12 +293,13 @@ def sweep_splits(device, split_factors=(0.5, 1, 2)):
         case = make_coded_case(SHAPES[name], stages, context, batch, device, torch.float16)
         problem = validate_decode_args(**case, check_codes=False)
         chosen = _rvq_onehot.choose_num_splits(problem)
-        block_n = _rvq_onehot.plan_for(problem).block_n
+        plan = _rvq_onehot.plan_for(problem)
+        block_n = plan.block_n
         for factor in split_factors:
             # the count the kernel runs (split lengths are whole blocks)
             splits = split_layout(problem.key_codes.shape[2], max(1, round(chosen * factor)),
                                   block_n)[1]
-            for label, tuning in TUNINGS:
+            for label, tuning in tunings(plan).items():
 
                 def fn(splits=splits, tuning=tuning, problem=problem):
                     return _rvq_onehot.decode(problem, num_splits=splits, **tuning)
@@ -330,7 +336,7 @@ def print_sweep_table(data):
     if not sweep:  # none, or an older sweep format
         return
     columns = sorted({(r["split_factor"], r["setting"]) for r in sweep},
-                     key=lambda c: (c[0], [t[0] for t in TUNINGS].index(c[1])))
+                     key=lambda c: (c[0], TUNINGS.index(c[1])))
     print("| config | " + " | ".join(f"x{f:g} splits, {label}" for f, label in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     configs = sorted({(r["shape"], r["key_stages"], r["value_stages"], r["context"], r["batch"])

@@ -50,6 +50,9 @@ MAX_ACC = 4096  # float32 histogram entries per program (registers)
 MAX_OPERAND = 8192  # entries of either one-hot operand per block (16 KB of shared memory)
 MAX_TABLE_BYTES = 256 << 20  # scratch for the per-program score tables
 MAX_SPLITS = 1024
+# H200, Qwen3-8B shapes: the centroid-major table was 3-4% faster with 4 key stages and 1-2%
+# slower with 2 (docs/kernels.md)
+CENTROID_MAJOR_STAGES = 4
 REF_HEADROOM = tl.constexpr(8.0)  # weights up to 2^8 against the score bound (float16 safe)
 REF_SLACK = tl.constexpr(4.0)  # best weight below 2^-4: redo the split with its true maximum
 
@@ -63,12 +66,23 @@ def _prefetch_l2(ptrs, mask):
 
 
 @triton.jit
+def _table_index(s, c, g, KEY_CODEBOOK_P: tl.constexpr, BLOCK_G: tl.constexpr,
+                 CENTROID_MAJOR: tl.constexpr):
+    """Offset of stage ``s``, centroid ``c``, head ``g`` in a program's score table.
+    Centroid-major (``[stage, centroid, head]``) serves a position's heads with one wide load:
+    fewer look-up instructions, which pays with many key stages (see :class:`Plan`)."""
+    if CENTROID_MAJOR:
+        return (s * KEY_CODEBOOK_P + c) * BLOCK_G + g
+    return (s * BLOCK_G + g) * KEY_CODEBOOK_P + c
+
+
+@triton.jit
 def _weights_pass(tab, eye, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
                   KEY_STAGES: tl.constexpr, VALUE_STAGES: tl.constexpr,
                   VALUE_STAGES_P: tl.constexpr, KEY_CODEBOOK_P: tl.constexpr,
                   HI: tl.constexpr, LO: tl.constexpr, LO_BITS: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, EYE: tl.constexpr,
-                  PREFETCH: tl.constexpr):
+                  PREFETCH: tl.constexpr, CENTROID_MAJOR: tl.constexpr):
     """Transposed value histogram, weight sum and largest score of positions [start, end)
     against the reference ``m``:
 
@@ -99,8 +113,8 @@ def _weights_pass(tab, eye, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss,
         score = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         for s in tl.static_range(KEY_STAGES):
             code = tl.load(kc_base + n * kc_sn + s * kc_ss, mask=n_ok, other=0).to(tl.int32)
-            score += tl.load(tab + (s * BLOCK_G + rows[None, :]) * KEY_CODEBOOK_P
-                             + code[:, None])
+            score += tl.load(tab + _table_index(s, code[:, None], rows[None, :],
+                                                KEY_CODEBOOK_P, BLOCK_G, CENTROID_MAJOR))
         score = tl.where(n_ok[:, None] & g_ok[None, :], score, float("-inf"))
         top = tl.maximum(top, score)
         p = tl.math.exp2(score - m[None, :]).to(tl.float16)
@@ -135,7 +149,7 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                   BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_B: tl.constexpr, TABLE_IEEE: tl.constexpr, EYE: tl.constexpr,
-                  PREFETCH: tl.constexpr):
+                  PREFETCH: tl.constexpr, CENTROID_MAJOR: tl.constexpr):
     split = tl.program_id(0)
     pid_bhg = tl.program_id(1)
     # BLOCK_G heads in BLOCK_M >= 16 rows (tl.dot needs 16)
@@ -167,7 +181,7 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
             prog = pid_bhg * NUM_SPLITS + split
             tab = tab_ptr + prog.to(tl.int64) * (KEY_STAGES * BLOCK_G * KEY_CODEBOOK_P)
             hist = hist_ptr + prog.to(tl.int64) * (VALUE_STAGES_P * BLOCK_G * HI * LO)
-            # this program's score table, [stage, head, centroid]
+            # this program's score table
             qt = q.to(tl.float32)
             ct = tl.arange(0, BLOCK_C)
             for s in tl.static_range(KEY_STAGES):
@@ -181,7 +195,8 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                     else:
                         t = tl.dot(qt, tl.trans(cb.to(tl.float32)), input_precision="tf32")
                     t = t * qk_scale
-                    tl.store(tab + (s * BLOCK_G + row[:, None]) * KEY_CODEBOOK_P + c[None, :],
+                    tl.store(tab + _table_index(s, c[None, :], row[:, None], KEY_CODEBOOK_P,
+                                                BLOCK_G, CENTROID_MAJOR),
                              t, mask=(row[:, None] < BLOCK_G) & c_ok[None, :])
             tl.debug_barrier()
 
@@ -196,8 +211,9 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                 top = tl.full([BLOCK_G], float("-inf"), tl.float32)
                 for c0 in range(0, KEY_CODEBOOK, BLOCK_B):
                     cb_ = c0 + tl.arange(0, BLOCK_B)
-                    t = tl.load(tab + (s * BLOCK_G + tl.arange(0, BLOCK_G)[:, None])
-                                * KEY_CODEBOOK_P + cb_[None, :],
+                    t = tl.load(tab + _table_index(s, cb_[None, :],
+                                                   tl.arange(0, BLOCK_G)[:, None],
+                                                   KEY_CODEBOOK_P, BLOCK_G, CENTROID_MAJOR),
                                 mask=cb_[None, :] < KEY_CODEBOOK, other=float("-inf"))
                     top = tl.maximum(top, tl.max(t, axis=1))
                 bound += top
@@ -205,7 +221,7 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
             acc, l, top = _weights_pass(
                 tab, eye_ptr, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn, vc_ss,
                 KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO, LO_BITS,
-                BLOCK_G, BLOCK_N, EYE, PREFETCH)
+                BLOCK_G, BLOCK_N, EYE, PREFETCH, CENTROID_MAJOR)
             # float16 keeps full precision down to 2^-14: if the best position lies far below
             # the bound, the weights near it would lose digits; redo with the true maximum
             if tl.max(tl.where(g_ok, m - top, 0.0), axis=0) > REF_SLACK:
@@ -213,7 +229,7 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                 acc, l, top = _weights_pass(
                     tab, eye_ptr, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn,
                     vc_ss, KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO,
-                    LO_BITS, BLOCK_G, BLOCK_N, EYE, PREFETCH)
+                    LO_BITS, BLOCK_G, BLOCK_N, EYE, PREFETCH, CENTROID_MAJOR)
 
             # histogram times value codebooks: [heads, stages * centroids] @ [.., head_dim]
             rows3 = tl.arange(0, BLOCK_G * HI)
@@ -287,11 +303,14 @@ class Plan:
     A code splits as ``c = hi * LO + lo``; per position and value stage the kernel reads two
     identity rows (``HI`` and ``LO`` entries) and multiplies ``heads * HI`` of them by the
     weights, so ``LO`` near ``sqrt(heads * codebook)`` balances the two operands.
-    ``hi_bits`` and ``block_n`` override the defaults (tuning).
+    The score table is centroid-major (``centroid_major``: a position's heads in one load)
+    from ``CENTROID_MAJOR_STAGES`` key stages on; with fewer it is head-major.
+    ``hi_bits``, ``block_n`` and ``centroid_major`` override the defaults (tuning).
     """
 
     def __init__(self, group: int, value_stages: int, value_codebook: int, key_stages: int,
-                 key_codebook: int, hi_bits: int | None = None, block_n: int | None = None):
+                 key_codebook: int, hi_bits: int | None = None, block_n: int | None = None,
+                 centroid_major: bool | None = None):
         self.value_stages_p = _pow2(value_stages)
         self.codebook_p = _pow2(value_codebook, MIN_CODEBOOK)
         self.key_codebook_p = _pow2(key_codebook)
@@ -311,6 +330,9 @@ class Plan:
             block_n = max(16, min(128, _floor_pow2(MAX_OPERAND // per_position)))
         self.block_n = block_n
         self.supported = self.value_stages_p * block_g * self.codebook_p <= MAX_ACC
+        if centroid_major is None:
+            centroid_major = key_stages >= CENTROID_MAJOR_STAGES
+        self.centroid_major = bool(centroid_major)
 
     def table_floats(self, key_stages: int) -> int:
         return key_stages * self.block_g * self.key_codebook_p
@@ -400,14 +422,16 @@ def choose_num_splits(problem: DecodeProblem, num_warps: int = 4) -> int:
 
 def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
            num_stages: int = 1, block_n: int | None = None, hi_bits: int | None = None,
-           block_c: int = 64, prefetch: int | None = None) -> torch.Tensor:
+           block_c: int = 64, prefetch: int | None = None,
+           centroid_major: bool | None = None) -> torch.Tensor:
     """Run the split and combine kernels on a validated problem; ``(batch, q_heads, head_dim)``.
 
     ``num_stages`` (software pipelining depth; 1, none, was fastest on the H200),
     ``block_n`` (positions per step, a power of two >= 16), ``hi_bits`` (see :class:`Plan`),
     ``block_c`` (centroids per step of the score table and of the final codebook product,
-    a power of two >= 16) and ``prefetch`` (blocks ahead whose codes are requested into L2;
-    0 for none, default ``PREFETCH_STEPS`` on a GPU) override the defaults, for tuning.
+    a power of two >= 16), ``prefetch`` (blocks ahead whose codes are requested into L2;
+    0 for none, default ``PREFETCH_STEPS`` on a GPU) and ``centroid_major`` (the score
+    table's layout, see :class:`Plan`) override the defaults, for tuning.
     """
     p = problem
     batch, q_heads, head_dim = p.query.shape
@@ -425,7 +449,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
         prefetch = PREFETCH_STEPS if nvidia else 0
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-    plan = plan_for(p, hi_bits=hi_bits, block_n=block_n)
+    plan = plan_for(p, hi_bits=hi_bits, block_n=block_n, centroid_major=centroid_major)
     if not plan.supported:
         raise ValueError(f"value_codebooks {tuple(p.value_codebooks.shape)}: the histogram "
                          f"does not fit the one-hot kernel")
@@ -475,6 +499,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
         BLOCK_G=plan.block_g, BLOCK_M=max(16, plan.block_g), BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_C=block_c, BLOCK_E=16, BLOCK_B=min(256, plan.key_codebook_p),
         TABLE_IEEE=table_ieee, EYE=plan.eye, PREFETCH=prefetch,
+        CENTROID_MAJOR=plan.centroid_major,
         num_warps=num_warps, num_stages=num_stages, **compile_options)
     out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=device)
     _combine_kernel[(batch * q_heads,)](

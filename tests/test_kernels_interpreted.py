@@ -101,6 +101,20 @@ def test_several_position_blocks_per_split(q_heads, kv_heads):
     check(case, num_splits=1)
 
 
+@pytest.mark.parametrize("key_stages", [2, 4])
+def test_both_score_table_layouts(key_stages):
+    # the default layout depends on the key stages: run each layout at each count
+    from kernels import _rvq_onehot
+
+    case = make_case(q_heads=8, kv_heads=2, archived=150, key_stages=key_stages,
+                     codebook_size=40, archived_lengths=[150, 77])
+    problem = validate_decode_args(**case)
+    ref = reference_decode_attention(**case, out_dtype=torch.float32)
+    for centroid_major in (False, True):
+        out = _rvq_onehot.decode(problem, num_splits=2, centroid_major=centroid_major)
+        _assert_close(out, ref, case["query"].dtype)
+
+
 def test_large_scores_do_not_overflow():
     # scores in the hundreds: a softmax without a running maximum would give inf / NaN
     case = make_case(archived=40)

@@ -123,6 +123,15 @@ def test_choose_num_splits_uses_resident_programs():
             2 * 2, 5000, resident_programs(warps) * 4, block_n)
 
 
+def test_score_table_layout_follows_key_stages():
+    from kernels._rvq_onehot import CENTROID_MAJOR_STAGES, Plan
+
+    assert not Plan(4, 2, 256, CENTROID_MAJOR_STAGES - 1, 256).centroid_major
+    assert Plan(4, 2, 256, CENTROID_MAJOR_STAGES, 256).centroid_major
+    assert not Plan(4, 2, 256, 8, 256, centroid_major=False).centroid_major
+    assert Plan(1, 1, 16, 1, 16, centroid_major=True).centroid_major
+
+
 def test_triton_backend_on_cpu_tensors_needs_the_interpreter():
     import os
 
