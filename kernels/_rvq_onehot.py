@@ -50,8 +50,8 @@ MAX_ACC = 4096  # float32 histogram entries per program (registers)
 MAX_OPERAND = 8192  # entries of either one-hot operand per block (16 KB of shared memory)
 MAX_TABLE_BYTES = 256 << 20  # scratch for the per-program score tables
 MAX_SPLITS = 1024
-# H200, Qwen3-8B shapes: the centroid-major table was 3-4% faster with 4 key stages and 1-2%
-# slower with 2 (docs/kernels.md)
+# H200, Qwen3-8B shapes: the centroid-major table was up to 4% faster with 4 key stages (batch
+# 8 and 32) and 1-2% slower with 2 (docs/kernels.md)
 CENTROID_MAJOR_STAGES = 4
 REF_HEADROOM = tl.constexpr(8.0)  # weights up to 2^8 against the score bound (float16 safe)
 REF_SLACK = tl.constexpr(4.0)  # best weight below 2^-4: redo the split with its true maximum
@@ -304,7 +304,8 @@ class Plan:
     identity rows (``HI`` and ``LO`` entries) and multiplies ``heads * HI`` of them by the
     weights, so ``LO`` near ``sqrt(heads * codebook)`` balances the two operands.
     The score table is centroid-major (``centroid_major``: a position's heads in one load)
-    from ``CENTROID_MAJOR_STAGES`` key stages on; with fewer it is head-major.
+    when a program has several heads and ``CENTROID_MAJOR_STAGES`` key stages or more;
+    otherwise it is head-major.
     ``hi_bits``, ``block_n`` and ``centroid_major`` override the defaults (tuning).
     """
 
@@ -331,7 +332,9 @@ class Plan:
         self.block_n = block_n
         self.supported = self.value_stages_p * block_g * self.codebook_p <= MAX_ACC
         if centroid_major is None:
-            centroid_major = key_stages >= CENTROID_MAJOR_STAGES
+            # with one head per program both layouts address the same memory, and the
+            # head-major expression compiled faster (H200, GPT-2 shapes, 4 key stages)
+            centroid_major = key_stages >= CENTROID_MAJOR_STAGES and block_g > 1
         self.centroid_major = bool(centroid_major)
 
     def table_floats(self, key_stages: int) -> int:

@@ -128,6 +128,7 @@ def test_score_table_layout_follows_key_stages():
 
     assert not Plan(4, 2, 256, CENTROID_MAJOR_STAGES - 1, 256).centroid_major
     assert Plan(4, 2, 256, CENTROID_MAJOR_STAGES, 256).centroid_major
+    assert not Plan(1, 2, 256, CENTROID_MAJOR_STAGES, 256).centroid_major  # one head
     assert not Plan(4, 2, 256, 8, 256, centroid_major=False).centroid_major
     assert Plan(1, 1, 16, 1, 16, centroid_major=True).centroid_major
 
