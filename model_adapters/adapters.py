@@ -58,15 +58,21 @@ def _qwen3(config) -> tuple[KVShape, dict]:
         )
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = KVShape("qwen3", config.num_hidden_layers, config.num_key_value_heads, head_dim, True)
-    rope = getattr(config, "rope_parameters", None) or {
+    rope = dict(getattr(config, "rope_parameters", None) or {
         "rope_theta": getattr(config, "rope_theta", None)
-    }
+    })
     ident = {
         "hidden_size": config.hidden_size,
         "num_attention_heads": config.num_attention_heads,
         "vocab_size": config.vocab_size,
-        "rope_theta": rope.get("rope_theta"),
+        "rope_theta": rope.pop("rope_theta", None),
     }
+    # RoPE scaling changes the cached keys too; plain RoPE adds nothing, so the fingerprints
+    # of archives written before scaling was part of it stay valid
+    if rope.get("rope_type", "default") == "default":
+        rope.pop("rope_type", None)
+    if rope:
+        ident["rope_parameters"] = rope
     return shape, ident
 
 

@@ -162,6 +162,18 @@ def _validate(args) -> list[QuantConfig]:
     return configs
 
 
+def _check_training_span(split, configs, text_name: str) -> None:
+    """k-means needs at least one training vector per centroid: refuse a text whose training
+    span (after the passage, then before chapter I) is shorter than the largest codebook."""
+    biggest = max((c.codebook_size for c in configs if not c.is_exact), default=0)
+    have = sum(len(seg) for seg in split.train_segments)
+    if have < biggest:
+        raise ValueError(
+            f"{text_name} leaves {have} training tokens beside the passage, below the largest "
+            f"codebook size {biggest}; use a longer --text, fewer --tokens, or --codebooks-from"
+        )
+
+
 def _read_text(path) -> tuple[str, str]:
     if path is None:
         # find_spec locates the package without importing it (and its codec)
@@ -429,11 +441,17 @@ def run(args) -> dict:
     context = min(args.context, max_positions(config))
     preset = _codebooks_from_archive(args.codebooks_from, config, configs)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
-    model.to(device).eval()
+    if len(tokenizer) < 2:  # a folder without tokenizer files loads an empty vocabulary
+        raise ValueError(f"--model {args.model!r} has no usable tokenizer "
+                         f"({len(tokenizer)} tokens in its vocabulary)")
+    # the text's checks before the weights load
     split = split_tokens(
         clean_text(raw, keep_quotes=args.keep_quotes), tokenizer, args.tokens, args.train_tokens
     )
+    if preset is None:
+        _check_training_span(split, configs, text_name)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    model.to(device).eval()
     if preset is not None:
         sets, collect_s, train_s = preset, None, None
     else:

@@ -87,15 +87,21 @@ class ArchivingLayer(DynamicLayer):
         st[3] += x64.shape[0]
 
     def crop(self, tokens_to_remove: int) -> None:
-        keep = (
-            self.get_seq_length() + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
-        )
+        """``n < 0`` drops the last ``-n`` positions, ``n > 0`` keeps the first ``n`` (both
+        transformers conventions), ``0`` does nothing; archived positions cannot be dropped."""
+        length = self.get_seq_length()
+        if tokens_to_remove < 0:
+            keep = max(0, length + tokens_to_remove)
+        else:
+            keep = min(tokens_to_remove, length) if tokens_to_remove else length
+        if keep == length:
+            return
         if keep < self.archived_until:
             raise ValueError(
                 f"cannot crop layer {self.layer_idx} to {keep} positions: positions up to "
                 f"{self.archived_until} are already archived"
             )
-        super().crop(tokens_to_remove)
+        super().crop(keep - length)
 
     def reset(self) -> None:
         if self.archived_until:

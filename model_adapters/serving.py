@@ -10,7 +10,9 @@ the codebooks are held once; attention reads them through the function registere
 Rewinding: ``crop`` can only restore positions whose exact K/V is still held. ``rewind`` extra
 exact positions are kept behind the recent window for that (speculative decoding needs a few);
 with them, crop-then-continue is the same computation as a fresh run on the shorter prefix
-(with the default ``block=1``).
+(with the default ``block=1``) when the crop point ends an earlier forward; tokens kept from a
+multi-token forward that spans it (a speculative verify step) were computed with that forward's
+archive boundary, so the continuation differs slightly.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ model over the archived text.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -80,13 +81,21 @@ class ServingArchive:
         )
         self._parents = list(parents)  # read-only parent archives, closed with this one
         self._index = None
+        self._broken = None  # why the cache no longer matches the token stream, if it does not
         cache.archive_hooks.append(self)
 
     def __enter__(self) -> ServingArchive:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # an error is on its way out: do not hide it behind a failed checkpoint
+        try:
+            self.close()
+        except Exception as err:  # noqa: BLE001 - reported, the original error propagates
+            warnings.warn(f"{self.archive!r} closed without a checkpoint: {err}", stacklevel=2)
 
     def __repr__(self) -> str:
         return (
@@ -103,24 +112,50 @@ class ServingArchive:
                 f"{self.fingerprint[:12]}...)"
             )
 
-    def _record(self, ids: np.ndarray) -> None:
+    def _check_feed(self, model, name: str, ids) -> None:
+        """Refuse a call before it touches the cache: read-only, broken, or bad ids."""
         if not self.writable:
             raise ValueError(
                 f"{self.archive!r} is open read-only: resume with mode='r+' to continue writing"
             )
+        if self._broken:
+            raise ValueError(self._broken)
+        self._check_model(model)
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 \
+                or ids.shape[1] == 0:
+            shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ValueError(f"{name} must be a (1, n) tensor with n >= 1, got {shape}")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"{name} must hold integer token ids, got {ids.dtype}")
+
+    def _feed(self, call):
+        """Run a model call on the cache. If it fails after changing some layers, the cache
+        no longer matches the token stream: this object then refuses further feeding and
+        checkpoints (the archive keeps its last checkpoint)."""
+        before = len(self.tokens)
+        try:
+            with torch.no_grad():
+                return call()
+        except BaseException:
+            if any(layer.length != before for layer in self.cache.layers):
+                self._broken = (
+                    "a model call failed after changing the cache, which no longer matches "
+                    f"the {before} recorded tokens: resume from the archive's last checkpoint"
+                )
+            raise
+
+    def _record(self, ids: np.ndarray) -> None:
         self.tokens.extend(ids)
         if self._index is not None:
             self._index.extend(ids)
 
     def forward(self, model, input_ids: torch.Tensor):
-        """Run ``model`` on new tokens ``(1, n)`` with the cache, recording them; the output."""
-        self._check_model(model)
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"input_ids must be (1, n), got {tuple(input_ids.shape)}")
-        ids = input_ids[0].cpu().numpy().astype(np.int64)
-        self._record(ids)
-        with torch.no_grad():
-            return model(input_ids, **{cache_kwarg(model): self.cache})
+        """Run ``model`` on new tokens ``(1, n)``, n >= 1, with the cache, recording them;
+        the model's output. Tokens are recorded only when the call succeeds."""
+        self._check_feed(model, "input_ids", input_ids)
+        out = self._feed(lambda: model(input_ids, **{cache_kwarg(model): self.cache}))
+        self._record(input_ids[0].cpu().numpy().astype(np.int64))
+        return out
 
     def generate(self, model, new_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """``model.generate`` continuing the archived text with ``new_ids`` ``(1, n)``, n >= 1.
@@ -128,12 +163,12 @@ class ServingArchive:
         Returns the full sequence ``(1, length + n + generated)``; every token the model has
         consumed is recorded (the last generated token is not yet in the cache).
         """
-        self._check_model(model)
+        self._check_feed(model, "new_ids", new_ids)
         context = torch.as_tensor(self.token_ids(), device=new_ids.device)[None]
         ids = torch.cat([context, new_ids.to(context.dtype)], 1)
         kwargs.setdefault("attention_mask", torch.ones_like(ids))
-        with torch.no_grad():
-            out = model.generate(ids, **{cache_kwarg(model): self.cache}, **kwargs)
+        out = self._feed(lambda: model.generate(ids, **{cache_kwarg(model): self.cache},
+                                                **kwargs))
         seq = out if isinstance(out, torch.Tensor) else out.sequences
         consumed = self.cache.get_seq_length()
         self._record(seq[0, len(self.tokens) : consumed].cpu().numpy().astype(np.int64))
@@ -148,6 +183,8 @@ class ServingArchive:
         """Write the exact window and the lengths it belongs to, then flush the archive."""
         if not self.writable:
             raise ValueError(f"{self.archive!r} is open read-only; nothing to checkpoint")
+        if self._broken:
+            raise ValueError(self._broken)
         cache = self.cache
         length = cache.get_seq_length()
         if len(self.tokens) != length:
@@ -175,11 +212,15 @@ class ServingArchive:
         self.archive.flush()
 
     def close(self) -> None:
-        """Checkpoint (when writable) and close the archive."""
+        """Checkpoint (when writable and the cache still matches the token stream) and close
+        the archive."""
         if getattr(self.archive, "closed", False):
             return
         try:
-            if self.writable:
+            if self._broken:
+                warnings.warn(f"{self.archive!r} closed without a checkpoint: {self._broken}",
+                              stacklevel=2)
+            elif self.writable:
                 self.checkpoint()
         finally:
             self.archive.close()
@@ -226,8 +267,9 @@ class ServingArchive:
         return self._index.search(np.asarray(query, dtype=np.int64))
 
     def rehydrate(self, positions) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of past positions: archived ones decoded from the archive's codes, window
-        positions exact from the cache.
+        """K and V of past positions: archived ones decoded from the archive's codes (from
+        the cache's codes for positions archived after the archive stopped taking rows, as in a
+        ``mode="r"`` continuation), window positions exact from the cache.
 
         Args:
             positions: int sequence, each in ``[0, length)``.
@@ -247,14 +289,18 @@ class ServingArchive:
         layers = self.cache.layers
         end = layers[0].archived_end if layers[0].is_initialized else sinks
         coded = (pos >= sinks) & (pos < end)
-        if coded.any():
-            rows = self.codes[pos[coded] - sinks]
-            kc, vc = q.rows_to_codes(rows)
-            idx = torch.from_numpy(np.flatnonzero(coded))
-            for li in range(shape.num_layers):
-                k, v = q.decode(li, torch.from_numpy(kc[li])[None], torch.from_numpy(vc[li])[None])
-                out_k[li][:, idx] = k[0]
-                out_v[li][:, idx] = v[0]
+        stored = coded & (pos < sinks + len(self.codes))
+        if stored.any():
+            kc, vc = q.rows_to_codes(self.codes[pos[stored] - sinks])
+            codes = [(torch.from_numpy(kc[li]), torch.from_numpy(vc[li]))
+                     for li in range(shape.num_layers)]
+            self._decode_into(out_k, out_v, stored, codes)
+        in_memory = coded & ~stored
+        if in_memory.any():
+            rel = torch.from_numpy(pos[in_memory] - sinks)
+            codes = [(layer.key_codes[0][:, rel.to(layer.device)].cpu(),
+                      layer.value_codes[0][:, rel.to(layer.device)].cpu()) for layer in layers]
+            self._decode_into(out_k, out_v, in_memory, codes)
         for i in np.flatnonzero(~coded).tolist():
             p = int(pos[i])
             for li, layer in enumerate(layers):
@@ -266,6 +312,15 @@ class ServingArchive:
                 out_k[li][:, i] = k.float().cpu()
                 out_v[li][:, i] = v.float().cpu()
         return out_k, out_v
+
+    def _decode_into(self, out_k, out_v, mask: np.ndarray, codes) -> None:
+        """Decode per-layer ``(key_codes, value_codes)``, each ``(kv_heads, n, stages)``, into
+        the columns of ``out_k`` / ``out_v`` where ``mask`` is set."""
+        idx = torch.from_numpy(np.flatnonzero(mask))
+        for li, (kc, vc) in enumerate(codes):
+            k, v = self.cache.quantizer.decode(li, kc[None], vc[None])
+            out_k[li][:, idx] = k[0]
+            out_v[li][:, idx] = v[0]
 
 
 def create(

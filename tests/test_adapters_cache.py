@@ -193,6 +193,14 @@ def test_crop_refuses_archived_positions():
         model(torch.ones(1, 8, dtype=torch.long), **{cache_kwarg(model): cache})
     with pytest.raises(ValueError, match="already archived"):
         cache.crop(3)
+    cache.crop(0)  # transformers calls this itself: nothing to do
+    cache.crop(8)  # keep all 8
+    assert cache.get_seq_length() == 8
+    cache.crop(7)  # keep the first 7 (the older convention)...
+    cache.crop(-1)  # ...or drop the last one
+    assert cache.get_seq_length() == 6 and cache.layers[0].keys.shape[2] == 6
+    with pytest.raises(ValueError, match="already archived"):
+        cache.crop(-3)
 
 
 def test_cache_rejects_bad_arguments():
@@ -217,3 +225,19 @@ def test_shapes_and_fingerprints():
     assert config_fingerprint(gpt2) == config_fingerprint(TINY_MODELS["gpt2"](seed=9))
     assert config_fingerprint(gpt2) != config_fingerprint(TINY_MODELS["gpt2"](vocab_size=102))
     assert config_fingerprint(gpt2) != config_fingerprint(qwen3)
+
+
+def test_rope_scaling_changes_the_fingerprint_and_plain_rope_keeps_the_old_one():
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    cfg = TINY_MODELS["qwen3"]().config
+    scaled = type(cfg)(**{**cfg.to_dict(), "rope_parameters": {
+        "rope_type": "linear", "factor": 4.0, "rope_theta": cfg.rope_parameters["rope_theta"]}})
+    assert config_fingerprint(scaled) != config_fingerprint(cfg)
+    # archives written before scaling counted store this (rope_theta only) fingerprint
+    ident = {"hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
+             "vocab_size": cfg.vocab_size, "rope_theta": cfg.rope_parameters["rope_theta"]}
+    blob = json.dumps({**asdict(kv_shape(cfg)), **ident}, sort_keys=True).encode()
+    assert config_fingerprint(cfg) == hashlib.sha256(blob).hexdigest()

@@ -179,3 +179,28 @@ def test_cli_reuses_saved_codebooks(tiny_checkpoint, tmp_path):  # noqa: F811
     a, b = json.loads(first.read_text()), json.loads(second.read_text())
     assert a["train_seconds"] is not None and b["train_seconds"] is None
     assert [r["ppl"] for r in a["configs"]] == [r["ppl"] for r in b["configs"]]
+
+
+def test_cli_refuses_a_model_folder_without_a_tokenizer(tmp_path, capsys):
+    from adapters_fixtures import tiny_gpt2
+
+    tiny_gpt2().save_pretrained(tmp_path)  # config and weights, no tokenizer files
+    out = tmp_path / "res.json"
+    rc = adapters_eval.main(["--model", str(tmp_path), "--json", str(out), "--tokens", "40",
+                             "--no-progress"])
+    assert rc == 2
+    assert "has no usable tokenizer" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_cli_refuses_a_training_span_shorter_than_a_codebook(tiny_checkpoint, tmp_path,  # noqa: F811
+                                                              capsys):
+    model_dir, _ = tiny_checkpoint
+    book = tmp_path / "short.txt"
+    book.write_text(make_book(words=120), encoding="utf-8")
+    out = tmp_path / "res.json"
+    rc = adapters_eval.main(tiny_eval_args(model_dir, book, out, ["perhead-k256-s1"]))
+    assert rc == 2
+    assert "training tokens beside the passage, below the largest codebook size 256" in \
+        capsys.readouterr().err
+    assert not out.exists()

@@ -279,3 +279,56 @@ def test_a_fork_whose_parent_was_cut_back_refuses_to_open(tmp_path):
         sa.cache.crop(-2)
     with pytest.raises(ValueError, match="fewer than the"):
         serving_archive.resume(tmp_path / "child.fkv", model)
+
+
+def test_bad_or_failing_calls_keep_tokens_and_cache_in_step(tmp_path):
+    model, q, path = written(tmp_path, "gpt2", 20)
+    with serving_archive.resume(path, model) as sa:
+        for bad in (IDS[0, 20:22], IDS[:, 20:20], IDS[:, 20:22].float(), [[3, 4]]):
+            with pytest.raises(ValueError, match="input_ids must"):
+                sa.forward(model, bad)
+        with pytest.raises(ValueError, match="new_ids must"):
+            sa.generate(model, IDS[:, 20:20], max_new_tokens=2)
+        # an id outside the vocabulary fails in the embedding, before the cache changes
+        with pytest.raises(IndexError):
+            sa.forward(model, torch.tensor([[500]]))
+        assert len(sa.tokens) == sa.cache.get_seq_length() == 20
+        sa.forward(model, IDS[:, 20:22])
+    with serving_archive.resume(path, model, mode="r") as sa:
+        assert sa.token_ids().tolist() == IDS[0, :22].tolist()
+
+
+def test_a_call_failing_after_changing_the_cache_keeps_the_last_checkpoint(tmp_path):
+    model, q, path = written(tmp_path, "gpt2", 20)
+    before = state(path)
+
+    def fail(*args):
+        raise RuntimeError("out of memory, say")
+
+    sa = serving_archive.resume(path, model)
+    hook = model.transformer.h[-1].register_forward_pre_hook(fail)  # after layer 0 updated
+    with pytest.raises(RuntimeError, match="out of memory"):
+        sa.forward(model, IDS[:, 20:23])
+    hook.remove()
+    for call in (lambda: sa.forward(model, IDS[:, 20:21]), sa.checkpoint):
+        with pytest.raises(ValueError, match="no longer matches the 20 recorded tokens"):
+            call()
+    with pytest.warns(UserWarning, match="without a checkpoint"):
+        sa.close()
+    assert state(path) == before
+    with serving_archive.resume(path, model, mode="r") as again:
+        assert again.cache.get_seq_length() == 20
+
+
+def test_rehydrate_after_a_read_only_continuation(tmp_path):
+    model, q, path = written(tmp_path, "qwen3", 24)
+    with serving_archive.resume(path, model, mode="r") as sa:
+        with torch.no_grad():  # continuing in memory: the archive takes no new rows
+            model(IDS[:, 24:34], **{cache_kwarg(model): sa.cache})
+        assert sa.cache.archived_tokens > len(sa.codes)
+        positions = [0, 5, 20, 24, 26, 33]
+        keys, values = sa.rehydrate(positions)
+        for li, layer in enumerate(sa.cache.layers):
+            dk, dv = layer.dense(torch.float32)
+            assert torch.equal(keys[li], dk[0][:, positions])
+            assert torch.equal(values[li], dv[0][:, positions])
