@@ -972,8 +972,9 @@ class Stream(SearchMixin):
         self._commit = c
 
     def verify(self, progress=None) -> list[str]:
-        """Check every stored chunk's CRC-32 and decode every span; return the problems found
-        (empty when the stream is intact). ``progress(n)`` is called per chunk checked."""
+        """Check every stored chunk's CRC-32, decode every span and check every aux array's
+        CRC-32; return the problems found (empty when the stream is intact). ``progress(n)`` is
+        called per chunk checked."""
         self._check_open()
         problems = []
         c, m, B = self._commit, self.span, self.block_spans
@@ -991,6 +992,11 @@ class Stream(SearchMixin):
                 problems.append(str(exc))
             if progress is not None:
                 progress(1)
+        for key in self.aux_array_names():  # derived data, but damage is damage
+            try:
+                self.get_aux_array(key)
+            except ChecksumError as exc:
+                problems.append(str(exc))
         return problems
 
     # -- per-stream auxiliary arrays (derived data, e.g. a search index) ---------------------------

@@ -7,20 +7,38 @@ current lazily: appended rows are added to the index (O(log n) amortised each) t
 query runs, a truncation cuts the index back at once, and a reader that sees a writer rewind
 drops its indexes. ``build_index(persist=True)`` stores the index beside the stream as plain
 arrays (``aux/search_<column>_<walk|trees|nodes|indices|boxes>``; docs/format.md), so reopening
-a large archive restores the KD-trees instead of rebuilding them.
+a large archive restores the KD-trees instead of rebuilding them. The stored arrays share one
+tag (build id, committed length, generation, rewind count); a stale, torn or damaged stored index
+is ignored and rebuilt, since it is derived data.
 """
 
 from __future__ import annotations
 
+import uuid
+
 import numpy as np
 
 from fkvstore._validate import integer
+from fkvstore.errors import ArchiveFormatError, ChecksumError
 from fkvstore.index import TREE_FORMAT, SuffixIndex
 
 __all__ = ["SearchMixin"]
 
 _KEY = "search_{}_{}"  # column, state array name
 _STATE = ("walk", "trees", "nodes", "indices", "boxes")
+
+_TAG_INTS = ("length", "generation", "rewinds")
+_TAG_STRS = ("index_id", "codec", "tree_format")
+
+
+def _tag(attrs: dict) -> dict | None:
+    """The build tag a persisted index array carries, or None if it has none."""
+    try:
+        tag = {k: int(attrs[k]) for k in _TAG_INTS}
+        tag.update({k: str(attrs[k]) for k in _TAG_STRS})
+    except (KeyError, TypeError, ValueError):
+        return None
+    return tag
 
 
 class SearchMixin:
@@ -59,15 +77,23 @@ class SearchMixin:
     def build_index(self, column: int = 0, persist: bool = False) -> SuffixIndex:
         """Build (or bring up to date) the index of ``column`` now; with ``persist=True`` also
         store it in the archive (walk points and KD-trees as plain arrays, docs/format.md), so
-        the next open restores it instead of recomputing it (needs a writable archive)."""
+        the next open restores it instead of recomputing it (needs a writable archive).
+        Persisting commits this stream's buffered rows first: the stored index describes
+        committed rows only."""
+        if persist:
+            self._check_open()
+            self._ar._check_writable()
+            if self._nbuf:
+                self._ar._commit([self])
         index = self._search_index(column)
         if persist:
-            self._ar._check_writable()
-            meta = {"length": len(index), "rewinds": self._commit.rewinds,
-                    "codec": str(self.codec.config()), "tree_format": TREE_FORMAT}
+            c = self._commit
+            # every array carries the same tag, so a set torn by a killed writer is ignored
+            tag = {"index_id": uuid.uuid4().hex, "length": c.length,
+                   "generation": c.generation, "rewinds": c.rewinds,
+                   "codec": str(self.codec.config()), "tree_format": TREE_FORMAT}
             for name, array in index.state().items():
-                self.put_aux_array(_KEY.format(column, name), array,
-                                   meta if name == "walk" else None)
+                self.put_aux_array(_KEY.format(self._search_column(column), name), array, tag)
         return index
 
     # ------------------------------------------------------------------ internals
@@ -92,17 +118,39 @@ class SearchMixin:
         return index
 
     def _load_index(self, column: int, n: int) -> SuffixIndex:
-        names = set(self.aux_array_names())
+        symbols = self.read(0, n)[:, column]
+        saved = self._saved_index_state(column)
+        if saved is not None:
+            state, tree_format = saved
+            return SuffixIndex.from_state(self.codec, symbols, state, tree_format)
+        return SuffixIndex.build(self.codec, symbols)
+
+    def _saved_index_state(self, column: int):
+        """``(state, tree_format)`` of the persisted index of ``column`` if it is complete,
+        intact and describes a prefix of the committed stream; else None (it is rebuilt)."""
         keys = {name: _KEY.format(column, name) for name in _STATE}
-        if set(keys.values()) <= names:
-            walk, attrs = self.get_aux_array(keys["walk"])
-            if (int(attrs.get("rewinds", -1)) == self._commit.rewinds
-                    and attrs.get("codec") == str(self.codec.config()) and len(walk) <= n):
-                state = {name: (walk if name == "walk" else self.get_aux_array(key)[0])
-                         for name, key in keys.items()}
-                return SuffixIndex.from_state(self.codec, self.read(0, n)[:, column], state,
-                                              str(attrs.get("tree_format", "")))
-        return SuffixIndex.build(self.codec, self.read(0, n)[:, column])
+        if not set(keys.values()) <= set(self.aux_array_names()):
+            return None
+        c = self._commit
+        state, tag = {}, None
+        try:
+            for name, key in keys.items():
+                array, attrs = self.get_aux_array(key)
+                this = _tag(attrs)
+                if tag is None:
+                    tag = this
+                    if (tag is None or tag["rewinds"] != c.rewinds
+                            or tag["generation"] > c.generation or tag["length"] > c.length
+                            or tag["codec"] != str(self.codec.config())):
+                        return None
+                elif this != tag:  # arrays of different builds: a torn write
+                    return None
+                state[name] = array
+        except (ChecksumError, ArchiveFormatError, OSError):  # damaged: derived data, rebuild
+            return None
+        if state["walk"].shape != (tag["length"], 2):
+            return None
+        return state, tag["tree_format"]
 
     def _search_truncated(self, n: int) -> None:
         for index in self._search_indexes.values():

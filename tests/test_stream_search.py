@@ -13,12 +13,14 @@ from fkvstore.errors import ArchiveClosedError
 
 
 @pytest.mark.parametrize("geometry", ["grid", "ring"])
-@given(ops=st.lists(st.tuples(st.sampled_from(["extend", "truncate", "search", "flush"]),
+@given(ops=st.lists(st.tuples(st.sampled_from(["extend", "truncate", "search", "flush",
+                                               "persist", "reopen"]),
                               st.integers(0, 2**32 - 1)), min_size=1, max_size=12))
 def test_search_tracks_appends_and_truncation(tmp_path_factory, geometry, ops):
     path = tmp_path_factory.mktemp("s") / "a.h5"
     model: list[int] = []
-    with fkvstore.open(path, "w") as ar:
+    ar = fkvstore.open(path, "w")
+    try:
         s = ar.create_stream("s", alphabet_size=5, geometry=geometry)
         for op, seed in ops:
             rng = np.random.default_rng(seed)
@@ -32,12 +34,20 @@ def test_search_tracks_appends_and_truncation(tmp_path_factory, geometry, ops):
                 del model[n:]
             elif op == "flush":
                 s.flush() if hasattr(s, "flush") else ar.flush()
+            elif op == "persist":
+                s.build_index(persist=True)
+            elif op == "reopen":
+                ar.close()
+                ar = fkvstore.open(path, "a")
+                s = ar["s"]
             q = rng.integers(0, 3, int(rng.integers(1, 6))).tolist()
             assert s.search(q).tolist() == naive.find_all(model, q)
         if model:
             p, n = s.longest_suffix([4, 0, 1, 2], 3)
             assert list(zip(p.tolist(), n.tolist(), strict=True)) == \
                 naive.longest_suffix(model, [4, 0, 1, 2], 3)
+    finally:
+        ar.close()
 
 
 def test_text_stream_search_context_and_persisted_index(tmp_path):
@@ -90,3 +100,79 @@ def test_wide_stream_columns_and_bad_input(tmp_path):
             s.search([1, 300])
         with pytest.raises(ValueError, match="pos must be <= 499"):
             s.context(500)
+
+
+def test_persisted_index_describes_committed_rows_only(tmp_path):
+    # an index persisted over buffered rows, which are then truncated and replaced without a
+    # rewind of the committed stream, must not be restored over the new rows
+    path = tmp_path / "stale.h5"
+    with fkvstore.open(path, "w") as ar:
+        s = ar.create_stream("s", 4)
+        s.extend([0] * 100)
+        s.build_index(persist=True)
+        assert s.committed_length == 100  # persisting committed the rows it describes
+        s.truncate(0)
+        s.extend([1] * 100)
+    with fkvstore.open(path) as ar:
+        s = ar["s"]
+        model = s[:][:, 0].tolist()
+        assert model == [1] * 100
+        for q in ([1, 1], [0], [1] * 7):
+            assert s.search(q).tolist() == naive.find_all(model, q)
+
+
+@pytest.mark.parametrize("written", [1, 2, 3, 4])
+def test_torn_persisted_index_is_ignored(tmp_path, monkeypatch, written):
+    # a writer killed while replacing a persisted index leaves arrays of two builds
+    rng = np.random.default_rng(written)
+    path = tmp_path / "torn.h5"
+    with fkvstore.open(path, "w") as ar:
+        s = ar.create_stream("s", 16)
+        s.extend(rng.integers(0, 16, 10_000))
+        s.build_index(persist=True)
+        s.truncate(0)
+        s.extend(rng.integers(0, 16, 10_000))
+        ar.flush()
+        put, calls = type(s).put_aux_array, []
+
+        def dying_put(self, key, array, attrs=None):
+            if len(calls) == written:
+                raise KeyboardInterrupt("killed")
+            calls.append(key)
+            put(self, key, array, attrs)
+
+        monkeypatch.setattr(type(s), "put_aux_array", dying_put)
+        with pytest.raises(KeyboardInterrupt):
+            s.build_index(persist=True)
+        monkeypatch.undo()
+    with fkvstore.open(path) as ar:
+        s = ar["s"]
+        model = s[:][:, 0].tolist()
+        for start in (0, 3, 5000, 9990):
+            q = model[start:start + 4]
+            assert s.search(q).tolist() == naive.find_all(model, q)
+
+
+@pytest.mark.parametrize("name", ["walk", "trees", "nodes", "indices", "boxes"])
+def test_damaged_persisted_index_is_rebuilt_and_reported(tmp_path, name):
+    import h5py
+
+    book = b"the time traveller " * 1000
+    path = tmp_path / "damaged.h5"
+    with fkvstore.open(path, "w") as ar:
+        ar.create_text_stream("book").extend(book)
+        ar["book"].build_index(persist=True)
+    with h5py.File(path, "r") as f:
+        ds = f[f"streams/book/aux/search_0_{name}"]
+        off = ds.id.get_offset() + ds.id.get_storage_size() // 2
+    with open(path, "r+b") as fh:
+        fh.seek(off)
+        b = fh.read(1)
+        fh.seek(off)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    with fkvstore.open(path) as ar:
+        problems = ar.verify()["book"]
+        assert len(problems) == 1 and f"search_0_{name}" in problems[0]
+        s = ar["book"]
+        for q in (b"time", b"r t", b"traveller the"):
+            assert s.search(q).tolist() == [i + len(q) - 1 for i in naive.find_bytes(book, q)]
