@@ -144,6 +144,19 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
         assert ar["book"].bytes(0, len(book)) == book
 
 
+def test_demo_short_and_empty_texts(tmp_path, capsys):
+    for text in ["a short text about Weena.", "x"]:  # shorter than the 120-byte sample window
+        src = tmp_path / "small.txt"
+        src.write_text(text)
+        assert demo.main(["--out", str(tmp_path / "s.h5"), "--quiet", "--text", str(src)]) == 0
+        out = capsys.readouterr().out
+        assert "all correct" in out and f"bytes 0..{len(text)}: {text!r}" in out
+        assert "identical to the text: True" in out and str(src) in out
+    src.write_text("  \n")
+    assert cli.main(["demo", "--out", str(tmp_path / "e.h5"), "--quiet", "--text", str(src)]) == 2
+    assert "no text to archive" in capsys.readouterr().err
+
+
 def test_console_script_entry(tmp_path, archive):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(Path(__file__).parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
