@@ -14,6 +14,52 @@ def _fmt_index(idx: tuple[int, ...]) -> str:
     return str(idx[0]) if len(idx) == 1 else str(idx)
 
 
+_BOOLS = (bool, np.bool_)
+
+
+def _check_python_items(symbols, arr: np.ndarray, alphabet_size: int, name: str) -> None:
+    """Raise naming the first bool, or int outside int64, among the elements of a sequence.
+
+    ``arr`` is ``np.asarray(symbols)``, of at most 2 dimensions and not empty.
+    """
+    if arr.dtype.kind in "iu":
+        flat = _flat(symbols, arr)
+        kinds = set(map(type, flat))
+        if not kinds.intersection(_BOOLS):
+            return
+        for i, v in enumerate(flat):
+            if isinstance(v, _BOOLS):
+                raise TypeError(f"{name} must be integers, got {v!r} (bool) at index "
+                                f"{_fmt_flat(i, arr)}")
+    if arr.dtype.kind not in "fO":
+        return
+    flat = _flat(symbols, arr)
+    for i, v in enumerate(flat):
+        if isinstance(v, _BOOLS):
+            raise TypeError(f"{name} must be integers, got {v!r} (bool) at index "
+                            f"{_fmt_flat(i, arr)}")
+        if not isinstance(v, (int, np.integer)):
+            return  # floats, strings, ...: the checks on the array name them
+    # all integers, yet numpy could not hold them in an integer dtype: some lie outside int64
+    for i, v in enumerate(flat):
+        v = int(v)
+        if not 0 <= v < alphabet_size:
+            bound = ">= 0" if v < 0 else f"< alphabet_size={alphabet_size}"
+            raise ValueError(f"{name} must be {bound}, got {v} at index {_fmt_flat(i, arr)}")
+
+
+def _flat(symbols, arr: np.ndarray) -> list:
+    if arr.ndim == 0:
+        return [symbols]
+    if arr.ndim == 1:
+        return list(symbols)
+    return [v for row in symbols for v in row]
+
+
+def _fmt_flat(i: int, arr: np.ndarray) -> str:
+    return str(i) if arr.ndim <= 1 else str(divmod(i, arr.shape[1]))
+
+
 def symbol_array(symbols, alphabet_size: int, *, ndim: tuple[int, ...] = (1, 2),
                  name: str = "symbols", check_range: bool = True) -> np.ndarray:
     """Return ``symbols`` as a C-contiguous integer array, or raise naming the first bad value.
@@ -23,9 +69,11 @@ def symbol_array(symbols, alphabet_size: int, *, ndim: tuple[int, ...] = (1, 2),
     values outside ``[0, alphabet_size)`` too unless ``check_range=False`` (the codec's kernels
     check the range in the same pass that encodes, then call :func:`raise_out_of_range`).
     """
+    from_python = False
     if isinstance(symbols, (bytes, bytearray, memoryview)):
         arr = np.frombuffer(bytes(symbols), dtype=np.uint8)
     else:
+        from_python = not isinstance(symbols, np.ndarray)
         try:
             arr = np.asarray(symbols)
         except (ValueError, TypeError) as exc:  # ragged nested sequences
@@ -37,6 +85,10 @@ def symbol_array(symbols, alphabet_size: int, *, ndim: tuple[int, ...] = (1, 2),
         return np.zeros(arr.shape, dtype=np.int64)
     if arr.dtype.kind == "b":
         raise TypeError(f"{name} must be integers, got booleans (dtype bool)")
+    if from_python:
+        # numpy turns True into 1, mixes ints beyond int64 into float64 or object arrays: look
+        # at the Python elements themselves (only for sequences; arrays keep the fast path)
+        _check_python_items(symbols, arr, alphabet_size, name)
     if arr.dtype.kind == "f":
         nan = np.isnan(arr)
         if nan.any():
@@ -46,6 +98,11 @@ def symbol_array(symbols, alphabet_size: int, *, ndim: tuple[int, ...] = (1, 2),
             i = _first_index(frac)
             raise TypeError(f"{name} must be integers, got {arr[i].item()!r} "
                             f"at index {_fmt_index(i)}")
+        if from_python:  # whole floats in a sequence: name the first
+            for i, v in enumerate(_flat(symbols, arr)):
+                if not isinstance(v, (int, np.integer)):
+                    raise TypeError(f"{name} must be integers, got {v!r} ({type(v).__name__}) "
+                                    f"at index {_fmt_flat(i, arr)}")
         raise TypeError(f"{name} must have an integer dtype, got {arr.dtype} "
                         "(convert with .astype(np.int64) if the values are whole numbers)")
     if arr.dtype.kind not in "iu":

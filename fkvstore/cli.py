@@ -1,20 +1,27 @@
 """The ``fkv`` command: ``demo``, ``info``, ``verify``, ``get`` and ``append``.
 
-See ``docs/cli.md``. Exit status 0 on success, 1 when ``verify`` finds damage, 2 on bad usage
-or an error opening or reading the archive.
+See ``docs/cli.md``. Exit status 0 on success, 1 when ``verify`` finds damage, 2 on bad usage,
+bad input or an error opening or reading the archive (a one-line ``fkv: ...`` message on standard
+error, no traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 
 import fkvstore
+from fkvstore.codec import Codec
 from fkvstore.errors import FkvError
 
 __all__ = ["main"]
+
+
+class CliError(Exception):
+    """A user error the command reports as ``fkv: <message>`` with exit status 2."""
 
 
 def progress_bar(total: int, desc: str, enabled: bool = True, unit: str = "chunk"):
@@ -44,16 +51,23 @@ class _NoBar:
         pass
 
 
-def _parse_range(text: str, length: int) -> tuple[int, int]:
+def _parse_range(text: str, length: int, name: str = "") -> tuple[int, int]:
     try:
         lo, _, hi = text.partition(":")
         if not _:
-            start = int(lo) + (length if int(lo) < 0 else 0)
-            return start, max(start, min(length, start + 1))
+            row = int(lo)
+            start = row + (length if row < 0 else 0)
+            if not 0 <= start < length:
+                raise CliError(
+                    f"row {row} is outside stream {name!r}, which has {length} row(s) "
+                    f"(valid rows: {-length}..{length - 1})" if length else
+                    f"row {row} is outside stream {name!r}, which is empty"
+                )
+            return start, start + 1
         start = int(lo) if lo else 0
         stop = int(hi) if hi else length
     except ValueError:
-        raise SystemExit(f"fkv: bad range {text!r}; use START:STOP (either may be empty)") from None
+        raise CliError(f"bad range {text!r}; use START:STOP (either may be empty)") from None
     return slice(start, stop).indices(length)[:2]
 
 
@@ -96,7 +110,7 @@ def cmd_verify(args) -> int:
 def cmd_get(args) -> int:
     with fkvstore.open(args.file) as ar:
         s = ar[args.stream]
-        start, stop = _parse_range(args.range, len(s))
+        start, stop = _parse_range(args.range, len(s), args.stream)
         if s.kind == "text":
             sys.stdout.buffer.write(s.bytes(start, stop))
             sys.stdout.buffer.flush()
@@ -108,46 +122,71 @@ def cmd_get(args) -> int:
     return 0
 
 
+def _read_rows(lines, width: int, alphabet_size: int, stream: str) -> np.ndarray:
+    """Rows of ``width`` ints in ``[0, alphabet_size)``, one per non-blank line, or CliError."""
+    rows = []
+    for line_no, line in enumerate(lines, 1):
+        fields = line.split()
+        if not fields:
+            continue
+        try:
+            row = [int(v) for v in fields]
+        except ValueError:
+            raise CliError(
+                f"line {line_no}: not integers: {line.strip()!r}; nothing appended"
+            ) from None
+        if len(row) != width:
+            raise CliError(
+                f"line {line_no}: {len(row)} value(s), stream {stream!r} has width {width}; "
+                "nothing appended"
+            )
+        for v in row:
+            if not 0 <= v < alphabet_size:
+                raise CliError(
+                    f"line {line_no}: symbol {v} is outside 0..{alphabet_size - 1} (alphabet "
+                    f"of stream {stream!r}); nothing appended"
+                )
+        rows.append(row)
+    return np.array(rows, dtype=np.int64).reshape(-1, width)
+
+
 def cmd_append(args) -> int:
+    # learn the stream's shape, then read and check all input, before creating anything
+    existing = None
+    if Path(args.file).exists():
+        with fkvstore.open(args.file) as ar:
+            if args.stream in ar:
+                s = ar[args.stream]
+                existing = (s.kind, s.width, s.codec.alphabet_size)
+    if existing is not None:
+        kind, width, alphabet_size = existing
+    elif args.text:
+        kind, width, alphabet_size = "text", 1, 256
+    elif args.alphabet_size is not None:
+        Codec(args.alphabet_size, args.geometry)  # raises naming a bad size
+        if args.width < 1:
+            raise CliError(f"--width must be >= 1, got {args.width}")
+        kind, width, alphabet_size = "symbols", args.width, args.alphabet_size
+    else:
+        raise CliError(
+            f"no stream {args.stream!r} in {args.file}; pass --text or --alphabet-size N to "
+            "create it"
+        )
+    if kind == "text":
+        data = sys.stdin.buffer.read()
+    else:
+        data = _read_rows(sys.stdin, width, alphabet_size, args.stream)
     with fkvstore.open(args.file, "a") as ar:
         if args.stream not in ar:
-            if args.text:
+            if kind == "text":
                 ar.create_text_stream(args.stream)
-            elif args.alphabet_size:
-                ar.create_stream(
-                    args.stream, args.alphabet_size, width=args.width, geometry=args.geometry
-                )
             else:
-                raise SystemExit(
-                    f"fkv: no stream {args.stream!r} in {args.file}; pass --text or "
-                    "--alphabet-size N to create it"
+                ar.create_stream(
+                    args.stream, alphabet_size, width=width, geometry=args.geometry
                 )
         s = ar[args.stream]
         before = len(s)
-        if s.kind == "text":
-            s.extend(sys.stdin.buffer.read())
-        else:
-            # parse everything first: a bad line leaves the stream unchanged
-            rows = []
-            for line_no, line in enumerate(sys.stdin, 1):
-                fields = line.split()
-                if not fields:
-                    continue
-                try:
-                    rows.append([int(v) for v in fields])
-                except ValueError:
-                    raise SystemExit(
-                        f"fkv: line {line_no}: not integers: {line.strip()!r}"
-                    ) from None
-                if len(rows[-1]) != s.width:
-                    raise SystemExit(
-                        f"fkv: line {line_no}: {len(rows[-1])} value(s), stream {s.name!r} "
-                        f"has width {s.width}"
-                    )
-            try:
-                s.extend(np.array(rows, dtype=np.int64).reshape(-1, s.width))
-            except (ValueError, TypeError) as exc:
-                raise SystemExit(f"fkv: nothing appended: {exc}") from None
+        s.extend(data)
         print(
             f"appended {len(s) - before} row(s) to {args.stream!r}; now {len(s)}", file=sys.stderr
         )
@@ -163,10 +202,17 @@ def cmd_search(args) -> int:
             try:
                 query = [int(v) for v in args.query.replace(",", " ").split()]
             except ValueError:
-                raise SystemExit(
-                    f"fkv search: the query of a symbol stream is integers separated by spaces "
-                    f"or commas, got {args.query!r}"
+                raise CliError(
+                    f"the query of a symbol stream is integers separated by spaces or commas, "
+                    f"got {args.query!r}"
                 ) from None
+        if not len(query):
+            raise CliError("empty query; give at least one symbol")
+        if not 0 <= args.column < s.width:
+            raise CliError(
+                f"--column {args.column}: stream {args.stream!r} has width {s.width} "
+                f"(columns 0..{s.width - 1})"
+            )
         hits = s.search(query, column=args.column)
         print(f"{len(hits)} hit(s) of {args.query!r} in {args.stream!r} ({len(s):,} rows)",
               file=sys.stderr)
@@ -246,11 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except FkvError as exc:
-        print(f"fkv {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
     except BrokenPipeError:
         return 0
+    except (CliError, FkvError, ValueError, TypeError, OverflowError, KeyError, OSError) as exc:
+        # user errors (bad input, a missing or damaged file): one line, no traceback
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"fkv: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

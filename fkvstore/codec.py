@@ -360,6 +360,7 @@ class Codec:
             start = integer(start, "start", low=0)
             stop = integer(stop, "stop", low=0)
         if not 0 <= start <= stop <= length:
+            integer(length, "length", low=0)
             integer(start, "start", low=0, high=length)
             integer(stop, "stop", low=start, high=length)
         shape = self._points_shape(points, length)

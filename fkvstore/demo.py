@@ -9,6 +9,7 @@ footer are stripped before use. The demo is a list of steps (:data:`STEPS`) that
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ class DemoState:
     out: Path
     book: bytes
     quiet: bool = False
+    source: str = SOURCE
     results: dict = field(default_factory=dict)
 
     def bar(self, total: int, desc: str, unit: str = "B"):
@@ -56,7 +58,7 @@ def step_archive(st: DemoState) -> None:
     piece = 16_384
     t0 = time.perf_counter()
     with fkvstore.open(st.out, "w") as ar:
-        ar.attrs["source"] = SOURCE
+        ar.attrs["source"] = st.source
         s = ar.create_text_stream(STREAM)
         with st.bar(len(st.book), "archive") as bar:
             for a in range(0, len(st.book), piece):
@@ -67,7 +69,7 @@ def step_archive(st: DemoState) -> None:
         stored = (c.full_spans + (1 if c.tail_count else 0)) * 16 * s.width
         st.results.update(span=s.span, stored=stored)
     st.results["archive_s"] = time.perf_counter() - t0
-    print(f"archived {len(st.book):,} bytes of {SOURCE}")
+    print(f"archived {len(st.book):,} bytes of {st.source}")
     print(
         f"  into {st.out} in {st.results['archive_s']:.2f} s (stream {STREAM!r}, grid, "
         f"{st.results['span']} bytes per stored point)"
@@ -78,12 +80,13 @@ def step_sizes(st: DemoState) -> None:
     """Stored size against raw bytes, plain bit-packing and general-purpose compressors."""
     n = len(st.book)
     distinct = len(set(st.book))
+    bits = max(1, int(np.ceil(np.log2(distinct))))
     rows = [
         ("raw bytes", n),
         ("bit-packing, 8 bits (alphabet 256)", n),
         (
-            f"bit-packing, {int(np.ceil(np.log2(distinct)))} bits ({distinct} distinct bytes)",
-            -(-n * int(np.ceil(np.log2(distinct))) // 8),
+            f"bit-packing, {bits} bits ({distinct} distinct bytes)",
+            -(-n * bits // 8),
         ),
         ("zlib level 9", len(zlib.compress(st.book, 9))),
     ]
@@ -125,9 +128,10 @@ def step_random_reads(st: DemoState, reads: int = 10_000) -> None:
     )
     if not ok:
         raise SystemExit("demo: random reads returned wrong bytes")
-    a = int(rng.integers(0, len(st.book) - 120))
+    window = min(120, len(st.book))  # a short text is shown whole
+    a = int(rng.integers(0, len(st.book) - window + 1))
     with fkvstore.open(st.out) as ar:
-        print(f"  bytes {a}..{a + 120}: {ar[STREAM].text(a, a + 120)!r}")
+        print(f"  bytes {a}..{a + window}: {ar[STREAM].text(a, a + window)!r}")
 
 
 def step_append(st: DemoState) -> None:
@@ -151,7 +155,7 @@ def step_reopen(st: DemoState) -> None:
         s = ar[STREAM]
         same = s.bytes() == st.book
         n = len(s)
-        tail = s.text(n - 60)
+        tail = s.text(max(0, n - 60))
         report = ar.verify()
     print(
         f"\nreopened in {1e3 * opened:.1f} ms: {n:,} bytes, identical to the text: {same}; "
@@ -206,7 +210,13 @@ def parser() -> argparse.ArgumentParser:
 def main(args=None) -> int:
     if args is None or isinstance(args, list):
         args = parser().parse_args(args)
-    st = DemoState(out=Path(args.out), book=load_book(args.text), quiet=args.quiet)
+    book = load_book(args.text)
+    if not book:
+        print(f"demo: {args.text}: no text to archive (empty once whitespace and any Gutenberg "
+              "header are stripped)", file=sys.stderr)
+        return 2
+    source = SOURCE if args.text is None else str(args.text)
+    st = DemoState(out=Path(args.out), book=book, quiet=args.quiet, source=source)
     for step in STEPS:
         step(st)
     return 0

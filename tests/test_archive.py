@@ -247,6 +247,12 @@ def test_bad_input_appends_nothing(path):
             one.append(3)
         with pytest.raises(TypeError, match="booleans"):
             one.append(True)
+        with pytest.raises(TypeError, match=r"got True \(bool\) at index 0"):
+            s.append([True, 1])
+        with pytest.raises(TypeError, match=r"got True \(bool\) at index \(1, 1\)"):
+            s.extend([[1, 2], [3, True]])
+        with pytest.raises(ValueError, match=f"got {2**70} at index 1"):
+            s.append([1, 2**70])
         assert len(one) == 0
     with fkvstore.open(path) as ar:
         assert ar["s"][:].tolist() == [[1, 2]] and len(ar["one"]) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,8 +51,7 @@ def test_get(archive, monkeypatch):
     assert out == "é".encode()
     code, out = run(["get", str(archive), "kv", "--", "-1:"], monkeypatch=monkeypatch)
     assert out.decode().strip() == "7 8 9"
-    with pytest.raises(SystemExit, match="bad range"):
-        run(["get", str(archive), "kv", "a:b"], monkeypatch=monkeypatch)
+    assert run(["get", str(archive), "kv", "a:b"], monkeypatch=monkeypatch)[0] == 2
 
 
 def test_append_and_round_trip(archive, monkeypatch):
@@ -69,17 +69,61 @@ def test_append_and_round_trip(archive, monkeypatch):
         np.testing.assert_array_equal(rows, ar["kv"][:])
 
 
-def test_append_errors(archive, monkeypatch):
-    with pytest.raises(SystemExit, match="nothing appended.*got 99"):
-        run(["append", str(archive), "kv"], b"1 2 3\n1 2 99\n", monkeypatch)
-    with pytest.raises(SystemExit, match="line 1: 2 value"):
-        run(["append", str(archive), "kv"], b"1 2\n", monkeypatch)
+def fails(argv, match, monkeypatch, capsys, stdin: bytes = b""):
+    """The command exits with status 2 and a one-line ``fkv: ...`` message, no traceback."""
+    capsys.readouterr()
+    code, out = run(argv, stdin, monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2 and out == b"", (code, out, err)
+    assert err.startswith("fkv: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert re.search(match, err), err
+
+
+def test_append_errors(archive, monkeypatch, capsys):
+    fails(["append", str(archive), "kv"], "line 2: symbol 99 is outside 0..49.*nothing appended",
+          monkeypatch, capsys, b"1 2 3\n1 2 99\n")
+    fails(["append", str(archive), "kv"], "line 1: 2 value", monkeypatch, capsys, b"1 2\n")
+    fails(["append", str(archive), "kv"], "not integers", monkeypatch, capsys, b"1 x 3\n")
+    fails(["append", str(archive), "kv"], f"symbol {10**24} is outside", monkeypatch, capsys,
+          f"1 2 {10**24}\n".encode())
+    fails(["append", str(archive), "nope"], "--alphabet-size", monkeypatch, capsys, b"1\n")
     with fkvstore.open(archive) as ar:
-        assert len(ar["kv"]) == 20  # nothing appended
-    with pytest.raises(SystemExit, match="not integers"):
-        run(["append", str(archive), "kv"], b"1 x 3\n", monkeypatch)
-    with pytest.raises(SystemExit, match="--alphabet-size"):
-        run(["append", str(archive), "nope"], b"1\n", monkeypatch)
+        assert len(ar["kv"]) == 20 and "nope" not in ar  # nothing appended or created
+
+
+def test_append_bad_input_creates_nothing(tmp_path, monkeypatch, capsys):
+    new = tmp_path / "new.h5"
+    fails(["append", str(new), "s", "--alphabet-size", "10"], "line 1: not integers",
+          monkeypatch, capsys, b"x\n")
+    fails(["append", str(new), "s", "--alphabet-size", "1"], "alphabet_size must be >= 2",
+          monkeypatch, capsys, b"0\n")
+    fails(["append", str(new), "s"], "no stream 's'", monkeypatch, capsys, b"0\n")
+    assert not new.exists()
+    assert run(["append", str(new), "s", "--alphabet-size", "10"], b"3\n", monkeypatch)[0] == 0
+    fails(["append", str(new), "w", "--alphabet-size", "10", "--width", "2"], "symbol 10",
+          monkeypatch, capsys, b"1 2\n1 10\n")
+    with fkvstore.open(new) as ar:
+        assert list(ar) == ["s"] and ar["s"][:, 0].tolist() == [3]
+
+
+def test_errors_exit_2_with_a_message(archive, monkeypatch, capsys):
+    a = str(archive)
+    fails(["get", a, "kv", "a:b"], "bad range 'a:b'", monkeypatch, capsys)
+    fails(["get", a, "kv", "100"], "row 100 is outside stream 'kv', which has 20 row", monkeypatch,
+          capsys)
+    fails(["get", a, "kv", "-21"], "row -21 is outside", monkeypatch, capsys)
+    fails(["get", a, "t", "13"], "row 13 is outside stream 't'", monkeypatch, capsys)
+    fails(["get", a, "nope", "1"], "no stream 'nope'", monkeypatch, capsys)
+    fails(["search", a, "t", ""], "empty query", monkeypatch, capsys)
+    fails(["search", a, "kv", ""], "empty query", monkeypatch, capsys)
+    fails(["search", a, "kv", "1", "--column", "3"], "--column 3: stream 'kv' has width 3",
+          monkeypatch, capsys)
+    fails(["search", a, "kv", "1,50"], "got 50", monkeypatch, capsys)
+    fails(["search", a, "kv", f"1 {10**24}"], f"got {10**24}", monkeypatch, capsys)
+    fails(["search", a, "kv", "x"], "integers separated", monkeypatch, capsys)
+    fails(["info", str(archive.parent / "missing.h5")], "missing.h5", monkeypatch, capsys)
+    code, out = run(["get", a, "kv", "19"], monkeypatch=monkeypatch)
+    assert code == 0 and out.decode() == "7 8 9\n"
 
 
 def test_verify_ok_and_missing_file(archive, tmp_path, monkeypatch):
@@ -100,6 +144,19 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
         assert ar["book"].bytes(0, len(book)) == book
 
 
+def test_demo_short_and_empty_texts(tmp_path, capsys):
+    for text in ["a short text about Weena.", "x"]:  # shorter than the 120-byte sample window
+        src = tmp_path / "small.txt"
+        src.write_text(text)
+        assert demo.main(["--out", str(tmp_path / "s.h5"), "--quiet", "--text", str(src)]) == 0
+        out = capsys.readouterr().out
+        assert "all correct" in out and f"bytes 0..{len(text)}: {text!r}" in out
+        assert "identical to the text: True" in out and str(src) in out
+    src.write_text("  \n")
+    assert cli.main(["demo", "--out", str(tmp_path / "e.h5"), "--quiet", "--text", str(src)]) == 2
+    assert "no text to archive" in capsys.readouterr().err
+
+
 def test_console_script_entry(tmp_path, archive):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(Path(__file__).parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
@@ -109,6 +166,12 @@ def test_console_script_entry(tmp_path, archive):
         env=env,
     )
     assert res.returncode == 0 and res.stdout == "héllo wörld".encode()
+    res = subprocess.run(
+        [sys.executable, "-m", "fkvstore.cli", "search", str(archive), "t", ""],
+        capture_output=True,
+        env=env,
+    )
+    assert res.returncode == 2 and res.stderr == b"fkv: empty query; give at least one symbol\n"
 
 
 def test_search_command_prints_hits_with_context(tmp_path, capsys):
@@ -125,5 +188,5 @@ def test_search_command_prints_hits_with_context(tmp_path, capsys):
     assert "3 hit(s)" in out.err
     assert main(["search", str(path), "n", "1,2", "--context", "1"]) == 0
     assert capsys.readouterr().out.splitlines() == ["0:2\t1 2 3", "3:5\t3 1 2 9"]
-    with pytest.raises(SystemExit, match="integers separated"):
-        main(["search", str(path), "n", "x"])
+    assert main(["search", str(path), "n", "x"]) == 2
+    assert "integers separated" in capsys.readouterr().err

@@ -283,6 +283,33 @@ def test_bad_symbols_name_the_value(geometry):
         codec.encode(np.array([[0, 1], [40, 1]]))
 
 
+@pytest.mark.parametrize("geometry", GEOMS)
+def test_python_sequences_are_checked_element_by_element(geometry):
+    # numpy would store True as 1 and turn ints beyond int64 into object or float64 arrays
+    codec = Codec(27, geometry)
+    with pytest.raises(TypeError, match=r"got True \(bool\) at index 1"):
+        codec.encode([1, True])
+    with pytest.raises(TypeError, match=r"got False \(bool\) at index \(1, 0\)"):
+        codec.encode([[1, 2], [False, 3]])
+    with pytest.raises(ValueError, match=f"< alphabet_size=27, got {2**70} at index 1"):
+        codec.encode([1, 2**70])
+    with pytest.raises(ValueError, match=f"got {2**70} at index \\(1, 1\\)"):
+        codec.encode([[1, 2], [3, 2**70]])
+    with pytest.raises(ValueError, match=">= 0, got -1 at index 0"):
+        codec.encode([-1, 2**63])
+    with pytest.raises(ValueError, match=f"got {2**64} at index 1"):
+        codec.encode([1, 2**64])
+    with pytest.raises(TypeError, match=r"got 2.0 \(float\) at index 1"):
+        codec.encode([1, 2.0])
+    np.testing.assert_array_equal(codec.decode(codec.encode([1, 2, 26]), 3), [1, 2, 26])
+
+
+def test_decode_negative_length_names_length():
+    codec = Codec(27)
+    with pytest.raises(ValueError, match="length must be >= 0, got -1"):
+        codec.decode(np.zeros((0, 2)), -1)
+
+
 def test_bad_input_leaves_points_untouched():
     codec = Codec(27, "ring")
     points = codec.encode(np.arange(20) % 27)
