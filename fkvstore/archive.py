@@ -490,6 +490,13 @@ class Archive:
             self._abandon()
 
 
+class _StaleView(Exception):
+    """Internal: a reader's commit record was outdated and has been refreshed; retry."""
+
+
+_STALE_RETRIES = 8
+
+
 class _Staged:
     __slots__ = ("commit", "blocks", "crcs", "tail")
 
@@ -599,11 +606,13 @@ class Stream(SearchMixin):
         try:
             blk = layout.read_block(self._points, b, self.block_spans, rows)
         except (OSError, ValueError) as exc:
+            self._raise_if_stale()
             raise ChecksumError(
                 f"stream {self.name!r}: chunk {b} cannot be read ({exc}); the file is damaged"
             ) from exc
         expected = self._crcs[b] if rows == self.block_spans else self._commit.partial_crc
         if layout.checksum(blk) != expected:
+            self._raise_if_stale()
             raise ChecksumError(
                 f"stream {self.name!r}: chunk {b} (spans {b * self.block_spans}.."
                 f"{b * self.block_spans + rows - 1}) does not match its CRC-32; the file is "
@@ -621,14 +630,40 @@ class Stream(SearchMixin):
             try:
                 t = layout.read_tail(self._tail_ds, c.tail_slot)
             except (OSError, ValueError) as exc:
+                self._raise_if_stale()
                 raise ChecksumError(f"stream {self.name!r}: tail unreadable ({exc})") from exc
             if layout.checksum(t) != c.tail_crc:
+                self._raise_if_stale()
                 raise ChecksumError(
                     f"stream {self.name!r}: the open span's point does not match its CRC-32; "
                     "the file is damaged"
                 )
             self._tail = t
         return self._tail
+
+    def _raise_if_stale(self) -> None:
+        """Called before reporting a bad checksum. A reader loads chunks and the open span
+        lazily, so a writer may have reused their file space (the inactive tail slot, chunks
+        past a truncation) since this reader last read the commit record: if a new commit
+        exists, take it up and raise _StaleView so that the caller retries."""
+        if self._ar.writable:
+            return
+        generation = self._commit.generation
+        self.refresh()
+        if self._commit.generation != generation:
+            raise _StaleView
+
+    def _retry_stale(self, fn, *args):
+        """``fn(*args)`` again after a _StaleView, a bounded number of times."""
+        for _ in range(_STALE_RETRIES):
+            try:
+                return fn(*args)
+            except _StaleView:
+                continue
+        raise ArchiveLockedError(
+            f"stream {self.name!r} changed under {_STALE_RETRIES + 1} consecutive reads (a "
+            "writer is committing faster than this reader reads); try again"
+        )
 
     def _span_points(self, s0: int, s1: int) -> np.ndarray:
         """Stored points of spans ``[s0, s1)``, (s1-s0, width, 2) float64, all verified."""
@@ -709,6 +744,17 @@ class Stream(SearchMixin):
         return int(row[0]) if self.width == 1 else np.asarray(row, dtype=np.int64)
 
     def __getitem__(self, key):
+        try:
+            if type(key) is int and not self._detached:  # the hot path: one row
+                n = self._commit.length + self._nbuf
+                i = key + n if key < 0 else key
+                if 0 <= i < n:
+                    return self._row(i)
+            return self._getitem(key)
+        except _StaleView:  # a reader took up a newer commit: read again (bounded)
+            return self._retry_stale(self._getitem, key)
+
+    def _getitem(self, key):
         self._check_open()
         n = self._commit.length + self._nbuf
         if isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
@@ -760,7 +806,9 @@ class Stream(SearchMixin):
         self._check_open()
         n = len(self)
         for a in range(0, n, _READ_BATCH_ROWS):
-            rows = self._rows(a, min(n, a + _READ_BATCH_ROWS))
+            rows = self[a : min(n, a + _READ_BATCH_ROWS)]  # a reader may see a truncation
+            if len(rows) == 0:
+                return
             if self.width == 1:
                 yield from (int(v) for v in rows[:, 0])
             else:
@@ -949,10 +997,11 @@ class Stream(SearchMixin):
         self._check_open()
         if self._ar.writable:
             return
-        for ds in (self._points, self._tail_ds, self._crc_ds):
-            ds.refresh()
+        self._points.refresh()
         old = self._commit
-        c = _read_commit_checked(self._points, self.span)
+        # the datasets are refreshed again after the commit record is read, so that they
+        # include everything the writer wrote before that commit (it may land in between)
+        c = _read_commit_checked(self._points, self.span, self._refresh_datasets)
         if c.generation == old.generation:
             return
         B = self.block_spans
@@ -971,10 +1020,20 @@ class Stream(SearchMixin):
         self._tail = None
         self._commit = c
 
+    def _refresh_datasets(self) -> None:
+        for ds in (self._points, self._tail_ds, self._crc_ds):
+            ds.refresh()
+
     def verify(self, progress=None) -> list[str]:
         """Check every stored chunk's CRC-32 and decode every span; return the problems found
         (empty when the stream is intact). ``progress(n)`` is called per chunk checked."""
         self._check_open()
+        try:
+            return self._verify(progress)
+        except _StaleView:  # a reader's view was outdated: check the writer's newer commit
+            return self._retry_stale(self._verify, progress)
+
+    def _verify(self, progress) -> list[str]:
         problems = []
         c, m, B = self._commit, self.span, self.block_spans
         nblocks = -(-c.full_spans // B)
@@ -1070,11 +1129,13 @@ def _checked_array(array, name: str) -> np.ndarray:
     return arr
 
 
-def _read_commit_checked(points: h5py.Dataset, span: int) -> Commit:
+def _read_commit_checked(points: h5py.Dataset, span: int, after_read=None) -> Commit:
     try:
         c = layout.read_commit(points)
     except (OSError, KeyError) as exc:
         raise ArchiveFormatError(f"{points.name}: commit record unreadable ({exc})") from exc
+    if after_read is not None:
+        after_read()
     if (
         c.length != c.full_spans * span + c.tail_count
         or c.tail_count >= span
