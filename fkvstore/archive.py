@@ -53,6 +53,7 @@ DEFAULT_SPILL_SYMBOLS = 1 << 22
 TEXT_ALPHABET = 256
 _NAME = re.compile(r"^[^/.][^/]*$")
 _READ_BATCH_ROWS = 1 << 16
+_MAX_CHUNK_BYTES = (1 << 32) - 1  # HDF5 refuses larger chunks
 
 
 def _library_version() -> str:
@@ -334,6 +335,15 @@ class Archive:
             raise TypeError(f"chunk_bytes must be an int, got {chunk_bytes!r}")
         if chunk_bytes < 16:
             raise ValueError(f"chunk_bytes must be at least 16, got {chunk_bytes}")
+        if chunk_bytes > _MAX_CHUNK_BYTES:
+            raise ValueError(
+                f"chunk_bytes must be below 4 GiB (HDF5's limit on one chunk), got {chunk_bytes}"
+            )
+        if 16 * width > _MAX_CHUNK_BYTES:
+            raise ValueError(
+                f"width {width} makes one stored row {16 * width} bytes, beyond HDF5's 4 GiB "
+                f"limit on one chunk; use width <= {_MAX_CHUNK_BYTES // 16}"
+            )
         if name in self:
             raise ValueError(
                 f"a stream named {name!r} already exists in {self.path!r}; use ar[{name!r}] or "
@@ -341,14 +351,20 @@ class Archive:
             )
         codec = Codec(alphabet_size, geometry=geometry, ratio=ratio, span=span)
         with self._structural():
-            layout.create_stream_group(
-                self._file[layout.STREAMS],
-                name,
-                kind=kind,
-                codec_config=codec.config(),
-                width=int(width),
-                block_spans=layout.block_spans_for(int(width), int(chunk_bytes)),
-            )
+            streams = self._file[layout.STREAMS]
+            try:
+                layout.create_stream_group(
+                    streams,
+                    name,
+                    kind=kind,
+                    codec_config=codec.config(),
+                    width=int(width),
+                    block_spans=layout.block_spans_for(int(width), int(chunk_bytes)),
+                )
+            except BaseException:
+                if name in streams:  # leave no half-created stream behind
+                    del streams[name]
+                raise
         return self[name]
 
     def __getitem__(self, name: str) -> Stream:
@@ -1059,11 +1075,27 @@ class Stream(SearchMixin):
         self._check_open()
         _check_name(key, "aux array")
         arr = _checked_array(array, key)
+        attrs = dict(attrs or {})
+        self._ar._check_writable()
+        _check_attrs_storable(attrs, f"aux array {key!r}")
         with self._ar._structural():
             g = self._ar._file[self._group_path].require_group(layout.AUX)
-            ds = layout.put_checked_array(g, key, arr)
-            for k, v in (attrs or {}).items():
-                ds.attrs[k] = v
+            # written under a name no user key can have, then renamed: an attribute HDF5
+            # cannot store leaves neither a partial array nor a lost previous one
+            tmp = f".new_{key}"
+            if tmp in g:
+                del g[tmp]
+            try:
+                ds = layout.put_checked_array(g, tmp, arr)
+                for k, v in attrs.items():
+                    ds.attrs[k] = v
+            except BaseException:
+                if tmp in g:
+                    del g[tmp]
+                raise
+            if key in g:
+                del g[key]
+            g.move(tmp, key)
 
     def get_aux_array(self, key: str) -> tuple[np.ndarray, dict]:
         """The array stored under ``key`` and its attributes (CRC-checked)."""
@@ -1078,7 +1110,8 @@ class Stream(SearchMixin):
     def aux_array_names(self) -> list[str]:
         self._check_open()
         g = self._ar._h5()[self._group_path]
-        return list(g[layout.AUX].keys()) if layout.AUX in g else []
+        names = list(g[layout.AUX].keys()) if layout.AUX in g else []
+        return [n for n in names if not n.startswith(".")]  # ".new_*": an unfinished write
 
 
 class TextStream(Stream):
@@ -1127,6 +1160,24 @@ def _checked_array(array, name: str) -> np.ndarray:
             " bool or fixed-size bytes array (encode text with .astype('S'))"
         )
     return arr
+
+
+def _check_attrs_storable(attrs: dict, what: str) -> None:
+    """Raise (TypeError, ValueError) for an attribute HDF5 cannot store, before the file is
+    touched: the values are tried on a throwaway in-memory HDF5 file."""
+    if not attrs:
+        return
+    with h5py.File(f"fkv-attr-check-{id(attrs)}", "w", driver="core", backing_store=False) as f:
+        for k, v in attrs.items():
+            if not isinstance(k, str):
+                raise TypeError(f"attribute names of {what} must be str, got {k!r}")
+            try:
+                f.attrs[k] = v
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(
+                    f"attribute {k!r} of {what} cannot be stored by HDF5 ({exc}); nothing was "
+                    "written"
+                ) from exc
 
 
 def _read_commit_checked(points: h5py.Dataset, span: int, after_read=None) -> Commit:
