@@ -1202,8 +1202,28 @@ def _h5_open(path: str, h5mode: str, **kw) -> h5py.File:
 
 
 def _recover_if_needed(path: str) -> None:
-    """Called by a writer holding the lock: a set status flag can only be a dead writer's."""
+    """Called by a writer holding the lock: a set status flag can only be a dead writer's.
+
+    The file is changed only once it is known to be an fkvstore archive (checked read-only,
+    through a view showing the flags cleared), so a refused file keeps every byte."""
     try:
+        sb = read_superblock(path)
+        if sb is None:
+            return
+        if sb.status_flags or os.path.getsize(path) < sb.base_address + sb.eof_address:
+            view = open_cleared_view(path)
+            try:
+                try:
+                    f = h5py.File(view, "r")
+                except (OSError, RuntimeError) as exc:
+                    raise ArchiveFormatError(
+                        f"{path!r} cannot be opened as an HDF5 archive ({exc}); it may be "
+                        "truncated or damaged"
+                    ) from exc
+                with f:
+                    layout.check_format(f, path)
+            finally:
+                view.close()
         clear_status_flags(path)
     except ArchiveFormatError:
         raise
