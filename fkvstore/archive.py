@@ -635,9 +635,28 @@ class Stream(SearchMixin):
                 "damaged there (run `fkv verify` for a full report)"
             )
         self._blocks[b] = blk
-        if len(self._blocks) * self._block_bytes > self._ar.cache_bytes and len(self._blocks) > 1:
-            self._blocks.popitem(last=False)
+        if len(self._blocks) * self._block_bytes > self._ar.cache_bytes:
+            self._evict()
         return blk
+
+    def _evict(self, keep: int | None = None) -> None:
+        """Drop least recently used chunks until the cache fits ``cache_bytes`` (counting whole
+        chunks); the most recent chunk and chunk ``keep`` always stay."""
+        blocks, budget = self._blocks, self._ar.cache_bytes
+        while len(blocks) > 1 and len(blocks) * self._block_bytes > budget:
+            b = next(iter(blocks))
+            if b == keep:
+                blocks.move_to_end(b)
+                continue
+            del blocks[b]
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of decoded-ready chunks this stream holds in its read cache (bounded by the
+        archive's ``cache_bytes``, but at least the most recent chunk, and for a writer also the
+        open last chunk)."""
+        self._check_open()
+        return sum(blk.nbytes for blk in self._blocks.values())
 
     def _tail_point(self) -> np.ndarray:
         """The verified point of the open span, (width, 2) float64."""
@@ -946,6 +965,9 @@ class Stream(SearchMixin):
         self._crcs.extend(st.crcs)
         for b, rows in st.blocks.items():
             self._blocks[b] = rows
+        c, B = st.commit, self.block_spans
+        # the partial last chunk stays: the next flush appends to it
+        self._evict(keep=c.full_spans // B if c.full_spans % B else None)
         self._tail = st.tail
         self._nbuf = 0
         if len(self._buf) * self.width > (1 << 16):

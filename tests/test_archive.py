@@ -377,6 +377,26 @@ def test_put_aux_array_with_an_unstorable_attribute_stores_nothing(path):
         assert ar.verify() == {"s": []}
 
 
+def test_cache_bytes_bounds_a_writers_cache(path):
+    budget = 64 << 10
+    data = rows(200 * 300, 8, 256, seed=3)
+    with fkvstore.open(path, "w", cache_bytes=budget) as ar:
+        s = ar.create_stream("kv", 256, width=8, chunk_bytes=4096)
+        for k in range(200):
+            s.extend(data[k * 300 : (k + 1) * 300])
+            ar.flush()
+            assert s.cached_bytes <= budget
+        assert s.cached_bytes > 0
+        np.testing.assert_array_equal(s[:], data)  # reads through an evicting cache
+        assert s.cached_bytes <= budget
+        np.testing.assert_array_equal(s[len(data) - 1], data[-1])
+    with fkvstore.open(path, cache_bytes=budget) as ar:
+        s = ar["kv"]
+        for i in range(0, len(data), 997):
+            np.testing.assert_array_equal(s[i], data[i])
+        assert 0 < s.cached_bytes <= budget
+
+
 # -- foreign and damaged files ------------------------------------------------------------
 def test_foreign_files(tmp_path):
     text = tmp_path / "notes.txt"
