@@ -53,6 +53,7 @@ DEFAULT_SPILL_SYMBOLS = 1 << 22
 TEXT_ALPHABET = 256
 _NAME = re.compile(r"^[^/.][^/]*$")
 _READ_BATCH_ROWS = 1 << 16
+_MAX_CHUNK_BYTES = (1 << 32) - 1  # HDF5 refuses larger chunks
 
 
 def _library_version() -> str:
@@ -334,6 +335,15 @@ class Archive:
             raise TypeError(f"chunk_bytes must be an int, got {chunk_bytes!r}")
         if chunk_bytes < 16:
             raise ValueError(f"chunk_bytes must be at least 16, got {chunk_bytes}")
+        if chunk_bytes > _MAX_CHUNK_BYTES:
+            raise ValueError(
+                f"chunk_bytes must be below 4 GiB (HDF5's limit on one chunk), got {chunk_bytes}"
+            )
+        if 16 * width > _MAX_CHUNK_BYTES:
+            raise ValueError(
+                f"width {width} makes one stored row {16 * width} bytes, beyond HDF5's 4 GiB "
+                f"limit on one chunk; use width <= {_MAX_CHUNK_BYTES // 16}"
+            )
         if name in self:
             raise ValueError(
                 f"a stream named {name!r} already exists in {self.path!r}; use ar[{name!r}] or "
@@ -341,14 +351,20 @@ class Archive:
             )
         codec = Codec(alphabet_size, geometry=geometry, ratio=ratio, span=span)
         with self._structural():
-            layout.create_stream_group(
-                self._file[layout.STREAMS],
-                name,
-                kind=kind,
-                codec_config=codec.config(),
-                width=int(width),
-                block_spans=layout.block_spans_for(int(width), int(chunk_bytes)),
-            )
+            streams = self._file[layout.STREAMS]
+            try:
+                layout.create_stream_group(
+                    streams,
+                    name,
+                    kind=kind,
+                    codec_config=codec.config(),
+                    width=int(width),
+                    block_spans=layout.block_spans_for(int(width), int(chunk_bytes)),
+                )
+            except BaseException:
+                if name in streams:  # leave no half-created stream behind
+                    del streams[name]
+                raise
         return self[name]
 
     def __getitem__(self, name: str) -> Stream:
@@ -490,6 +506,13 @@ class Archive:
             self._abandon()
 
 
+class _StaleView(Exception):
+    """Internal: a reader's commit record was outdated and has been refreshed; retry."""
+
+
+_STALE_RETRIES = 8
+
+
 class _Staged:
     __slots__ = ("commit", "blocks", "crcs", "tail")
 
@@ -599,20 +622,41 @@ class Stream(SearchMixin):
         try:
             blk = layout.read_block(self._points, b, self.block_spans, rows)
         except (OSError, ValueError) as exc:
+            self._raise_if_stale()
             raise ChecksumError(
                 f"stream {self.name!r}: chunk {b} cannot be read ({exc}); the file is damaged"
             ) from exc
         expected = self._crcs[b] if rows == self.block_spans else self._commit.partial_crc
         if layout.checksum(blk) != expected:
+            self._raise_if_stale()
             raise ChecksumError(
                 f"stream {self.name!r}: chunk {b} (spans {b * self.block_spans}.."
                 f"{b * self.block_spans + rows - 1}) does not match its CRC-32; the file is "
                 "damaged there (run `fkv verify` for a full report)"
             )
         self._blocks[b] = blk
-        if len(self._blocks) * self._block_bytes > self._ar.cache_bytes and len(self._blocks) > 1:
-            self._blocks.popitem(last=False)
+        if len(self._blocks) * self._block_bytes > self._ar.cache_bytes:
+            self._evict()
         return blk
+
+    def _evict(self, keep: int | None = None) -> None:
+        """Drop least recently used chunks until the cache fits ``cache_bytes`` (counting whole
+        chunks); the most recent chunk and chunk ``keep`` always stay."""
+        blocks, budget = self._blocks, self._ar.cache_bytes
+        while len(blocks) > 1 and len(blocks) * self._block_bytes > budget:
+            b = next(iter(blocks))
+            if b == keep:
+                blocks.move_to_end(b)
+                continue
+            del blocks[b]
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of decoded-ready chunks this stream holds in its read cache (bounded by the
+        archive's ``cache_bytes``, but at least the most recent chunk, and for a writer also the
+        open last chunk)."""
+        self._check_open()
+        return sum(blk.nbytes for blk in self._blocks.values())
 
     def _tail_point(self) -> np.ndarray:
         """The verified point of the open span, (width, 2) float64."""
@@ -621,14 +665,40 @@ class Stream(SearchMixin):
             try:
                 t = layout.read_tail(self._tail_ds, c.tail_slot)
             except (OSError, ValueError) as exc:
+                self._raise_if_stale()
                 raise ChecksumError(f"stream {self.name!r}: tail unreadable ({exc})") from exc
             if layout.checksum(t) != c.tail_crc:
+                self._raise_if_stale()
                 raise ChecksumError(
                     f"stream {self.name!r}: the open span's point does not match its CRC-32; "
                     "the file is damaged"
                 )
             self._tail = t
         return self._tail
+
+    def _raise_if_stale(self) -> None:
+        """Called before reporting a bad checksum. A reader loads chunks and the open span
+        lazily, so a writer may have reused their file space (the inactive tail slot, chunks
+        past a truncation) since this reader last read the commit record: if a new commit
+        exists, take it up and raise _StaleView so that the caller retries."""
+        if self._ar.writable:
+            return
+        generation = self._commit.generation
+        self.refresh()
+        if self._commit.generation != generation:
+            raise _StaleView
+
+    def _retry_stale(self, fn, *args):
+        """``fn(*args)`` again after a _StaleView, a bounded number of times."""
+        for _ in range(_STALE_RETRIES):
+            try:
+                return fn(*args)
+            except _StaleView:
+                continue
+        raise ArchiveLockedError(
+            f"stream {self.name!r} changed under {_STALE_RETRIES + 1} consecutive reads (a "
+            "writer is committing faster than this reader reads); try again"
+        )
 
     def _span_points(self, s0: int, s1: int) -> np.ndarray:
         """Stored points of spans ``[s0, s1)``, (s1-s0, width, 2) float64, all verified."""
@@ -709,6 +779,17 @@ class Stream(SearchMixin):
         return int(row[0]) if self.width == 1 else np.asarray(row, dtype=np.int64)
 
     def __getitem__(self, key):
+        try:
+            if type(key) is int and not self._detached:  # the hot path: one row
+                n = self._commit.length + self._nbuf
+                i = key + n if key < 0 else key
+                if 0 <= i < n:
+                    return self._row(i)
+            return self._getitem(key)
+        except _StaleView:  # a reader took up a newer commit: read again (bounded)
+            return self._retry_stale(self._getitem, key)
+
+    def _getitem(self, key):
         self._check_open()
         n = self._commit.length + self._nbuf
         if isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
@@ -760,7 +841,9 @@ class Stream(SearchMixin):
         self._check_open()
         n = len(self)
         for a in range(0, n, _READ_BATCH_ROWS):
-            rows = self._rows(a, min(n, a + _READ_BATCH_ROWS))
+            rows = self[a : min(n, a + _READ_BATCH_ROWS)]  # a reader may see a truncation
+            if len(rows) == 0:
+                return
             if self.width == 1:
                 yield from (int(v) for v in rows[:, 0])
             else:
@@ -882,6 +965,9 @@ class Stream(SearchMixin):
         self._crcs.extend(st.crcs)
         for b, rows in st.blocks.items():
             self._blocks[b] = rows
+        c, B = st.commit, self.block_spans
+        # the partial last chunk stays: the next flush appends to it
+        self._evict(keep=c.full_spans // B if c.full_spans % B else None)
         self._tail = st.tail
         self._nbuf = 0
         if len(self._buf) * self.width > (1 << 16):
@@ -949,10 +1035,11 @@ class Stream(SearchMixin):
         self._check_open()
         if self._ar.writable:
             return
-        for ds in (self._points, self._tail_ds, self._crc_ds):
-            ds.refresh()
+        self._points.refresh()
         old = self._commit
-        c = _read_commit_checked(self._points, self.span)
+        # the datasets are refreshed again after the commit record is read, so that they
+        # include everything the writer wrote before that commit (it may land in between)
+        c = _read_commit_checked(self._points, self.span, self._refresh_datasets)
         if c.generation == old.generation:
             return
         B = self.block_spans
@@ -971,11 +1058,21 @@ class Stream(SearchMixin):
         self._tail = None
         self._commit = c
 
+    def _refresh_datasets(self) -> None:
+        for ds in (self._points, self._tail_ds, self._crc_ds):
+            ds.refresh()
+
     def verify(self, progress=None) -> list[str]:
         """Check every stored chunk's CRC-32, decode every span and check every aux array's
         CRC-32; return the problems found (empty when the stream is intact). ``progress(n)`` is
         called per chunk checked."""
         self._check_open()
+        try:
+            return self._verify(progress)
+        except _StaleView:  # a reader's view was outdated: check the writer's newer commit
+            return self._retry_stale(self._verify, progress)
+
+    def _verify(self, progress) -> list[str]:
         problems = []
         c, m, B = self._commit, self.span, self.block_spans
         nblocks = -(-c.full_spans // B)
@@ -1006,11 +1103,27 @@ class Stream(SearchMixin):
         self._check_open()
         _check_name(key, "aux array")
         arr = _checked_array(array, key)
+        attrs = dict(attrs or {})
+        self._ar._check_writable()
+        _check_attrs_storable(attrs, f"aux array {key!r}")
         with self._ar._structural():
             g = self._ar._file[self._group_path].require_group(layout.AUX)
-            ds = layout.put_checked_array(g, key, arr)
-            for k, v in (attrs or {}).items():
-                ds.attrs[k] = v
+            # written under a name no user key can have, then renamed: an attribute HDF5
+            # cannot store leaves neither a partial array nor a lost previous one
+            tmp = f".new_{key}"
+            if tmp in g:
+                del g[tmp]
+            try:
+                ds = layout.put_checked_array(g, tmp, arr)
+                for k, v in attrs.items():
+                    ds.attrs[k] = v
+            except BaseException:
+                if tmp in g:
+                    del g[tmp]
+                raise
+            if key in g:
+                del g[key]
+            g.move(tmp, key)
 
     def get_aux_array(self, key: str) -> tuple[np.ndarray, dict]:
         """The array stored under ``key`` and its attributes (CRC-checked)."""
@@ -1025,7 +1138,8 @@ class Stream(SearchMixin):
     def aux_array_names(self) -> list[str]:
         self._check_open()
         g = self._ar._h5()[self._group_path]
-        return list(g[layout.AUX].keys()) if layout.AUX in g else []
+        names = list(g[layout.AUX].keys()) if layout.AUX in g else []
+        return [n for n in names if not n.startswith(".")]  # ".new_*": an unfinished write
 
 
 class TextStream(Stream):
@@ -1076,11 +1190,31 @@ def _checked_array(array, name: str) -> np.ndarray:
     return arr
 
 
-def _read_commit_checked(points: h5py.Dataset, span: int) -> Commit:
+def _check_attrs_storable(attrs: dict, what: str) -> None:
+    """Raise (TypeError, ValueError) for an attribute HDF5 cannot store, before the file is
+    touched: the values are tried on a throwaway in-memory HDF5 file."""
+    if not attrs:
+        return
+    with h5py.File(f"fkv-attr-check-{id(attrs)}", "w", driver="core", backing_store=False) as f:
+        for k, v in attrs.items():
+            if not isinstance(k, str):
+                raise TypeError(f"attribute names of {what} must be str, got {k!r}")
+            try:
+                f.attrs[k] = v
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(
+                    f"attribute {k!r} of {what} cannot be stored by HDF5 ({exc}); nothing was "
+                    "written"
+                ) from exc
+
+
+def _read_commit_checked(points: h5py.Dataset, span: int, after_read=None) -> Commit:
     try:
         c = layout.read_commit(points)
     except (OSError, KeyError) as exc:
         raise ArchiveFormatError(f"{points.name}: commit record unreadable ({exc})") from exc
+    if after_read is not None:
+        after_read()
     if (
         c.length != c.full_spans * span + c.tail_count
         or c.tail_count >= span
@@ -1096,8 +1230,28 @@ def _h5_open(path: str, h5mode: str, **kw) -> h5py.File:
 
 
 def _recover_if_needed(path: str) -> None:
-    """Called by a writer holding the lock: a set status flag can only be a dead writer's."""
+    """Called by a writer holding the lock: a set status flag can only be a dead writer's.
+
+    The file is changed only once it is known to be an fkvstore archive (checked read-only,
+    through a view showing the flags cleared), so a refused file keeps every byte."""
     try:
+        sb = read_superblock(path)
+        if sb is None:
+            return
+        if sb.status_flags or os.path.getsize(path) < sb.base_address + sb.eof_address:
+            view = open_cleared_view(path)
+            try:
+                try:
+                    f = h5py.File(view, "r")
+                except (OSError, RuntimeError) as exc:
+                    raise ArchiveFormatError(
+                        f"{path!r} cannot be opened as an HDF5 archive ({exc}); it may be "
+                        "truncated or damaged"
+                    ) from exc
+                with f:
+                    layout.check_format(f, path)
+            finally:
+                view.close()
         clear_status_flags(path)
     except ArchiveFormatError:
         raise

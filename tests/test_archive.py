@@ -329,6 +329,80 @@ def test_aux_arrays_beside_a_stream(path):
             ar["s"].get_aux_array("tree")
 
 
+@pytest.mark.parametrize(
+    "kwargs, what",
+    [
+        ({"chunk_bytes": 2**40}, "chunk_bytes"),
+        ({"chunk_bytes": 2**32}, "chunk_bytes"),
+        ({"width": 2**28}, "width"),
+    ],
+)
+def test_create_stream_beyond_hdf5_chunk_limit_writes_nothing(path, kwargs, what):
+    with fkvstore.open(path, "w") as ar:
+        with pytest.raises(ValueError, match=what):
+            ar.create_stream("x", 10, **kwargs)
+        assert "x" not in ar
+        assert ar.verify() == {}
+        ar.create_stream("x", 10).extend([1, 2])  # the name is still free
+    with fkvstore.open(path) as ar:
+        assert ar.verify() == {"x": []}
+        assert ar["x"][:].ravel().tolist() == [1, 2]
+
+
+def test_create_stream_removes_a_half_created_group(path, monkeypatch):
+    from fkvstore import layout
+
+    def failing(streams, name, **kw):
+        streams.create_group(name).attrs["fkv_kind"] = "symbols"
+        raise RuntimeError("disk full")
+
+    with fkvstore.open(path, "w") as ar:
+        monkeypatch.setattr(layout, "create_stream_group", failing)
+        with pytest.raises(RuntimeError, match="disk full"):
+            ar.create_stream("x", 10)
+        monkeypatch.undo()
+        assert "x" not in ar and ar.verify() == {}
+        ar.create_stream("x", 10)
+
+
+def test_put_aux_array_with_an_unstorable_attribute_stores_nothing(path):
+    with fkvstore.open(path, "w") as ar:
+        s = ar.create_stream("s", 4)
+        s.extend([0, 1, 2, 3])
+        with pytest.raises(TypeError):
+            s.put_aux_array("walk", np.ones(3), attrs={"bad": {"nested": 1}})
+        assert s.aux_array_names() == []
+        s.put_aux_array("walk", np.ones(3), attrs={"length": 3})
+        with pytest.raises(TypeError):  # replacing: the previous array stays
+            s.put_aux_array("walk", np.zeros(5), attrs={"bad": object()})
+        assert s.aux_array_names() == ["walk"]
+    with fkvstore.open(path) as ar:
+        arr, attrs = ar["s"].get_aux_array("walk")
+        np.testing.assert_array_equal(arr, np.ones(3))
+        assert attrs == {"length": 3}
+        assert ar.verify() == {"s": []}
+
+
+def test_cache_bytes_bounds_a_writers_cache(path):
+    budget = 64 << 10
+    data = rows(200 * 300, 8, 256, seed=3)
+    with fkvstore.open(path, "w", cache_bytes=budget) as ar:
+        s = ar.create_stream("kv", 256, width=8, chunk_bytes=4096)
+        for k in range(200):
+            s.extend(data[k * 300 : (k + 1) * 300])
+            ar.flush()
+            assert s.cached_bytes <= budget
+        assert s.cached_bytes > 0
+        np.testing.assert_array_equal(s[:], data)  # reads through an evicting cache
+        assert s.cached_bytes <= budget
+        np.testing.assert_array_equal(s[len(data) - 1], data[-1])
+    with fkvstore.open(path, cache_bytes=budget) as ar:
+        s = ar["kv"]
+        for i in range(0, len(data), 997):
+            np.testing.assert_array_equal(s[i], data[i])
+        assert 0 < s.cached_bytes <= budget
+
+
 # -- foreign and damaged files ------------------------------------------------------------
 def test_foreign_files(tmp_path):
     text = tmp_path / "notes.txt"

@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -131,3 +132,35 @@ def test_standard_tools_read_an_archive(tmp_path):
     assert "(0): 4, 0," in out
     ls = subprocess.run(["h5ls", "-r", str(path)], capture_output=True, text=True, check=True)
     assert "/streams/s/points" in ls.stdout
+
+
+@pytest.mark.parametrize("swmr", [True, False])
+def test_writer_open_leaves_a_foreign_dead_writers_file_unchanged(tmp_path, swmr):
+    """Mode "a"/"r+" on a non-archive HDF5 file with a killed writer's flags is refused
+    before the flags are cleared: not one byte changes."""
+    path = tmp_path / "foreign.h5"
+    _killed_writer(path, swmr)
+    before = path.read_bytes()
+    assert read_superblock(path).status_flags != 0
+    for mode in ("a", "r+"):
+        with pytest.raises(ArchiveFormatError, match="not an fkvstore archive"):
+            fkvstore.open(path, mode)
+        assert path.read_bytes() == before
+
+
+def test_writer_open_still_repairs_a_dead_writers_archive(tmp_path):
+    path = tmp_path / "a.h5"
+    code = (
+        "import os, signal, sys, fkvstore\n"
+        "ar = fkvstore.open(sys.argv[1], 'w')\n"
+        "ar.create_stream('s', 10).extend([1, 2, 3]); ar.flush()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    root = str(Path(__file__).parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", code, str(path)], env=env)
+    assert res.returncode == -signal.SIGKILL
+    assert read_superblock(path).status_flags != 0
+    with fkvstore.open(path, "a") as ar:
+        assert ar["s"][:].ravel().tolist() == [1, 2, 3]
+    assert read_superblock(path).status_flags == 0
