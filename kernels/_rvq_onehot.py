@@ -43,13 +43,12 @@ from kernels._rvq_triton import (
     interpreted,
     split_layout,
 )
-from kernels._validate import DecodeProblem
+from kernels._validate import MAX_SPLITS, DecodeProblem, check_num_splits
 
 MIN_CODEBOOK = 256  # codebooks are padded to at least 16 x 16 (tl.dot needs 16 rows and columns)
 MAX_ACC = 4096  # float32 histogram entries per program (registers)
 MAX_OPERAND = 8192  # entries of either one-hot operand per block (16 KB of shared memory)
 MAX_TABLE_BYTES = 256 << 20  # scratch for the per-program score tables
-MAX_SPLITS = 1024
 # H200, Qwen3-8B shapes: the centroid-major table was up to 4% faster with 4 key stages (batch
 # 8 and 32) and 1-2% slower with 2 (docs/kernels.md)
 CENTROID_MAJOR_STAGES = 4
@@ -458,8 +457,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
                          f"does not fit the one-hot kernel")
     if num_splits is None:
         num_splits = choose_num_splits(p, num_warps)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
+    check_num_splits(num_splits)
     capacity = p.key_codes.shape[2]
     block_n = plan.block_n
     split_len, num_splits = split_layout(capacity, num_splits, block_n)

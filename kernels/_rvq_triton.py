@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels._validate import DecodeProblem
+from kernels._validate import DecodeProblem, check_num_splits
 from kernels._variants import VARIANTS, variant_for
 
 LOG2E = 1.4426950408889634
@@ -294,6 +294,13 @@ def histogram_columns(value_stages: int, value_codebook_size: int) -> int:
     return value_stages * _pow2(value_codebook_size)
 
 
+def supports(problem: DecodeProblem) -> bool:
+    """Whether a kernel variant takes this problem: the atomic kernel takes every problem
+    whose value histogram fits ``MAX_HISTOGRAM_COLUMNS``, the one-hot kernel a subset."""
+    _, stages, size, _ = problem.value_codebooks.shape
+    return histogram_columns(stages, size) <= MAX_HISTOGRAM_COLUMNS
+
+
 def heads_per_program(group: int) -> int:
     return min(MAX_HEADS_PER_PROGRAM, _pow2(group))
 
@@ -359,14 +366,14 @@ def decode_atomic(problem: DecodeProblem, *, num_splits: int | None = None,
     key_stages, key_codebook = p.key_codebooks.shape[1:3]
     value_stages, value_codebook = p.value_codebooks.shape[1:3]
     columns = histogram_columns(value_stages, value_codebook)
-    if columns > MAX_HISTOGRAM_COLUMNS:
+    if not supports(p):
         raise ValueError(
-            f"the value histogram would have {columns} columns per head (value_codebooks "
-            f"{tuple(p.value_codebooks.shape)}); at most {MAX_HISTOGRAM_COLUMNS} are supported")
+            f"the value histogram would have {columns} "
+            f"columns per head (value_codebooks {tuple(p.value_codebooks.shape)}); at most "
+            f"{MAX_HISTOGRAM_COLUMNS} are supported")
     if num_splits is None:
         num_splits = choose_num_splits(p)
-    if not 1 <= num_splits <= 1024:
-        raise ValueError(f"num_splits must lie in [1, 1024], got {num_splits}")
+    check_num_splits(num_splits)
     block_g = heads_per_program(group)
     block_n = block_positions(group)
     capacity = p.key_codes.shape[2]

@@ -6,6 +6,9 @@ what was expected and what arrived; nothing here uses ``assert``.
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +17,8 @@ ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 CODEBOOK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The largest codebook each code dtype can address (codes are non-negative).
 CODE_DTYPE_LIMITS = {torch.uint8: 256, torch.int16: 32768}
+MAX_SPLITS = 1024
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,11 @@ def _lengths(name: str, value, batch: int, full: int, device: torch.device) -> t
     if value is None:
         return torch.full((batch,), full, dtype=torch.int32, device=device)
     if isinstance(value, (list, tuple)):
-        value = torch.tensor(value, dtype=torch.int64)
+        try:  # ints only: a float would be truncated silently
+            value = torch.tensor([operator.index(v) for v in value], dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            raise ValueError(
+                f"{name} must hold integers, got {list(value)[:8]!r} ({exc})") from None
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a tensor or a list of ints, got {type(value).__name__}")
     if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
@@ -121,11 +130,44 @@ def _codes(name: str, codes, codebooks: torch.Tensor, query: torch.Tensor, check
                          f"centroids, but the codebook has {codebooks.shape[2]}")
     if codes.device != query.device:
         raise ValueError(f"{name} is on {codes.device}, the query on {query.device}")
-    if check_range and codes.numel():
+    if check_range:
+        check_code_range(name, codes, codebooks.shape[2])
+
+
+def check_code_range(name: str, codes: torch.Tensor, codebook_size: int) -> None:
+    """Raise ValueError unless every code lies in ``[0, codebook_size)`` (one reduction)."""
+    if codes.numel():
         low, high = int(codes.min()), int(codes.max())
-        if low < 0 or high >= codebooks.shape[2]:
+        if low < 0 or high >= codebook_size:
             raise ValueError(f"{name} holds codes from {low} to {high}; they must lie in "
-                             f"[0, {codebooks.shape[2]}) (the codebook size)")
+                             f"[0, {codebook_size}) (the codebook size)")
+
+
+def check_num_splits(num_splits) -> None:
+    """``None`` (automatic) or an int in ``[1, MAX_SPLITS]``; else ValueError."""
+    if num_splits is None:
+        return
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
+            or not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be None or an int in [1, {MAX_SPLITS}], "
+                         f"got {num_splits!r}")
+
+
+def _scale(scale, head_dim: int) -> float:
+    """The softmax scale as a float: positive, and finite once folded into float32 scores."""
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and scale.dim() == 0:
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ValueError(f"scale must be a positive number, got {scale!r}")
+    value = float(scale)
+    # the kernels fold scale * log2(e) into float32
+    if not (value > 0 and math.isfinite(value * 1.4426950408889634)
+            and value * 1.4426950408889634 < FLOAT32_MAX):
+        raise ValueError(f"scale must be a positive number whose product with log2(e) is a "
+                         f"finite float32, got {scale!r}")
+    return value
 
 
 def validate_decode_args(
@@ -182,10 +224,7 @@ def validate_decode_args(
         empty = [i for i, n in enumerate(total.tolist()) if n < 1]
         raise ValueError(f"sequences {empty} have no cached position at all (sink, archived "
                          "and recent lengths are all 0); attention over nothing is undefined")
-    if scale is None:
-        scale = head_dim ** -0.5
-    elif not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive number, got {scale!r}")
+    scale = _scale(scale, head_dim)
     return DecodeProblem(
         query=query.contiguous(),
         key_codes=key_codes,

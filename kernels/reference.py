@@ -9,19 +9,34 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._validate import DecodeProblem, validate_decode_args
+from kernels._validate import (
+    CODE_DTYPE_LIMITS,
+    DecodeProblem,
+    check_code_range,
+    validate_decode_args,
+)
 
 
-def dequantize_rvq(codes: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
+def dequantize_rvq(codes: torch.Tensor, codebooks: torch.Tensor, *,
+                   check_codes: bool = True) -> torch.Tensor:
     """Sum of the selected centroids over the stages of a residual-VQ code.
 
     Args:
-        codes: ``(batch, kv_heads, seq, stages)``, uint8 or int16.
+        codes: ``(batch, kv_heads, seq, stages)``, uint8 or int16, each below the codebook
+            size (checked unless ``check_codes=False``).
         codebooks: ``(kv_heads, stages, codebook_size, head_dim)``, any float dtype.
 
     Returns:
         ``(batch, kv_heads, seq, head_dim)`` float32.
+
+    Raises:
+        ValueError: shapes that do not match, a code dtype other than uint8 / int16, or a code
+            outside the codebook.
     """
+    if not isinstance(codes, torch.Tensor) or not isinstance(codebooks, torch.Tensor):
+        raise TypeError("codes and codebooks must be torch.Tensors")
+    if codes.dtype not in CODE_DTYPE_LIMITS:
+        raise ValueError(f"codes must have dtype uint8 or int16, got {codes.dtype}")
     if codes.dim() != 4 or codebooks.dim() != 4:
         raise ValueError(f"codes must be (batch, kv_heads, seq, stages) and codebooks "
                          f"(kv_heads, stages, codebook_size, head_dim); got {tuple(codes.shape)} "
@@ -29,6 +44,10 @@ def dequantize_rvq(codes: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor
     if codes.shape[1] != codebooks.shape[0] or codes.shape[3] != codebooks.shape[1]:
         raise ValueError(f"codes {tuple(codes.shape)} do not match codebooks "
                          f"{tuple(codebooks.shape)} in kv_heads or stages")
+    if codes.device != codebooks.device:
+        raise ValueError(f"codes are on {codes.device}, codebooks on {codebooks.device}")
+    if check_codes:
+        check_code_range("codes", codes, codebooks.shape[2])
     batch, kv_heads, seq, stages = codes.shape
     books = codebooks.float()
     heads = torch.arange(kv_heads, device=codes.device)[None, :, None]
@@ -40,8 +59,9 @@ def dequantize_rvq(codes: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor
 
 def _decode(problem: DecodeProblem) -> torch.Tensor:
     p = problem
-    keys = dequantize_rvq(p.key_codes, p.key_codebooks)
-    values = dequantize_rvq(p.value_codes, p.value_codebooks)
+    # validate_decode_args checked the codes (or was told not to)
+    keys = dequantize_rvq(p.key_codes, p.key_codebooks, check_codes=False)
+    values = dequantize_rvq(p.value_codes, p.value_codebooks, check_codes=False)
     group = p.q_heads // p.kv_heads
     out = torch.empty(p.batch, p.q_heads, p.head_dim, dtype=torch.float32, device=p.query.device)
     for b in range(p.batch):

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from kernels._validate import validate_decode_args
+from kernels._validate import check_num_splits, validate_decode_args
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -65,9 +65,10 @@ def rvq_decode_attention(
         scale: softmax scale (default ``head_dim ** -0.5``).
         backend: ``"triton"`` (the kernel; CUDA tensors, or CPU tensors under
             ``TRITON_INTERPRET=1``), ``"torch"`` (the dequantize-then-attend reference) or
-            ``"auto"`` (triton for CUDA tensors when triton is installed, else torch).
-        num_splits: sequence splits of the archived part (Triton path; default: enough to fill
-            the GPU).
+            ``"auto"`` (triton for CUDA tensors when triton is installed and a kernel takes the
+            problem, else torch).
+        num_splits: sequence splits of the archived part, an int in [1, 1024] (Triton path;
+            default: enough to fill the GPU).
         check_codes: verify every code is below its codebook size (one reduction per call;
             an out-of-range code would read outside the codebook).
 
@@ -81,13 +82,15 @@ def rvq_decode_attention(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_num_splits(num_splits)
     problem = validate_decode_args(
         query, key_codes, value_codes, key_codebooks, value_codebooks,
         archived_lengths=archived_lengths, sink_keys=sink_keys, sink_values=sink_values,
         sink_lengths=sink_lengths, recent_keys=recent_keys, recent_values=recent_values,
         recent_lengths=recent_lengths, scale=scale, check_codes=check_codes)
     if backend == "auto":
-        backend = "triton" if query.is_cuda and triton_available() else "torch"
+        backend = "triton" if query.is_cuda and triton_available() and _kernel_takes(problem) \
+            else "torch"
     if backend == "torch":
         from kernels.reference import _decode
 
@@ -101,3 +104,9 @@ def rvq_decode_attention(
             f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 from process start, "
             f"Triton's CPU interpreter); the query is on {query.device}")
     return _rvq_triton.decode(problem, num_splits=num_splits)
+
+
+def _kernel_takes(problem) -> bool:
+    from kernels import _rvq_triton
+
+    return _rvq_triton.supports(problem)

@@ -107,15 +107,22 @@ def lookup_attention(
     return out.reshape(batch, q_heads, q_len, dim).to(query.dtype)
 
 
-def _kernel_path(backend: str, query: torch.Tensor) -> bool:
+def _kernel_path(backend: str, query: torch.Tensor, state) -> bool:
     """Whether a decode step goes to :func:`kernels.rvq_decode_attention` (see the module)."""
     if backend == "triton":  # on CPU tensors the kernel API explains what it needs
         return True
+    if not query.is_cuda:
+        return False
+    from kernels._validate import CODE_DTYPE_LIMITS
+
+    # codebooks over 32,768 centroids get int32 codes, which only the look-ups read
+    if not {state.key_codes.dtype, state.value_codes.dtype} <= set(CODE_DTYPE_LIMITS):
+        return False
     if backend == "auto":
         from kernels.rvq_decode import triton_available
 
-        return query.is_cuda and triton_available()
-    return query.is_cuda
+        return triton_available()
+    return True
 
 
 def _all_visible(mask: torch.Tensor | None) -> bool:
@@ -148,7 +155,7 @@ def codes_attention_forward(
     state = layer.attention_state()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if query.shape[2] == 1 and state.archived:
-        kernel = _kernel_path(layer.backend, query) and query.dtype in _KERNEL_DTYPES
+        kernel = _kernel_path(layer.backend, query, state) and query.dtype in _KERNEL_DTYPES
         if kernel and _all_visible(attention_mask):
             from kernels import rvq_decode_attention
 

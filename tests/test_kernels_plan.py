@@ -144,3 +144,17 @@ def test_triton_backend_on_cpu_tensors_needs_the_interpreter():
         pytest.skip("this process interprets: the CPU launch is legal here")
     with pytest.raises(ValueError, match="needs CUDA tensors .*TRITON_INTERPRET=1.* on cpu"):
         rvq_decode_attention(**make_case(), backend="triton")
+
+
+def test_kernels_take_histograms_up_to_the_atomic_limit():
+    import torch
+    from kernels_cases import make_case
+
+    from kernels._rvq_triton import supports
+    from kernels._validate import validate_decode_args
+
+    fits = validate_decode_args(**make_case(codebook_size=16))
+    big = make_case(codebook_size=8, code_dtype=torch.int16)
+    big["value_codebooks"] = torch.randn(2, 3, 20000, 32).half()  # 3 x 32768 padded columns
+    big["value_codes"] = torch.randint(0, 20000, (2, 2, 40, 3), dtype=torch.int16)
+    assert supports(fits) and not supports(validate_decode_args(**big))

@@ -96,6 +96,18 @@ def test_auto_backend_on_cpu_is_the_reference():
         ({"archived_lengths": [0, 3], "sink_lengths": [0, 1], "recent_lengths": [0, 1]},
          "no cached position"),
         ({"scale": -1.0}, "scale must be a positive"),
+        ({"scale": float("inf")}, "scale must be a positive"),
+        ({"scale": 1e39}, "finite float32"),  # overflows once folded into float32 scores
+        ({"scale": True}, "scale must be a positive"),
+        ({"scale": "0.5"}, "scale must be a positive"),
+        ({"archived_lengths": [1.9, 4.99]}, "archived_lengths must hold integers"),
+        ({"archived_lengths": ["x", "y"]}, "archived_lengths must hold integers"),
+        ({"archived_lengths": [1, None]}, "archived_lengths must hold integers"),
+        ({"archived_lengths": [2**63, 1]}, "archived_lengths must hold integers"),
+        ({"num_splits": 0}, "num_splits must be None or an int"),
+        ({"num_splits": 2.5}, "num_splits must be None or an int"),
+        ({"num_splits": True}, "num_splits must be None or an int"),
+        ({"num_splits": "3"}, "num_splits must be None or an int"),
         ({"backend": "cuda"}, "backend must be one of"),
     ],
 )
@@ -118,3 +130,24 @@ def test_non_tensor_raises_type_error():
     case["query"] = [[1.0]]
     with pytest.raises(TypeError, match="query must be a torch.Tensor"):
         rvq_decode_attention(**case)
+
+
+@pytest.mark.parametrize("scale", [0.25, None, torch.tensor(0.25)])  # None: numpy float32
+def test_scale_accepts_real_numbers_and_scalar_tensors(scale):
+    import numpy as np
+
+    case = make_case()
+    want = rvq_decode_attention(**case, scale=0.25)
+    got = rvq_decode_attention(**case, scale=np.float32(0.25) if scale is None else scale)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_dequantize_checks_its_codes():
+    case = make_case(codebook_size=4, code_dtype=torch.int16)
+    codes, books = case["key_codes"].clone(), case["key_codebooks"]
+    codes[0, 0, 0, 0] = -1  # would read the last centroid through negative indexing
+    with pytest.raises(ValueError, match="codes holds codes from -1"):
+        dequantize_rvq(codes, books)
+    with pytest.raises(ValueError, match="codes must have dtype uint8 or int16"):
+        dequantize_rvq(case["key_codes"].float(), books)
+    dequantize_rvq(case["key_codes"], books)  # in range: fine

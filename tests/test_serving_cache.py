@@ -135,6 +135,25 @@ def test_cpu_decode_takes_the_lookup_path(backend, monkeypatch):
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
+def test_kernel_routing_rule():
+    from types import SimpleNamespace
+
+    from model_adapters.codes_attention import _kernel_path
+
+    cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+
+    def state(dtype):
+        codes = torch.zeros(1, dtype=dtype)
+        return SimpleNamespace(key_codes=codes, value_codes=codes)
+
+    assert _kernel_path("torch", cuda, state(torch.int16))
+    assert not _kernel_path("torch", cpu, state(torch.uint8))
+    # codebooks over 32,768 centroids get int32 codes: the kernel API refuses them
+    assert not _kernel_path("torch", cuda, state(torch.int32))
+    assert not _kernel_path("auto", cuda, state(torch.int32))
+    assert _kernel_path("triton", cpu, state(torch.int32))  # asked for: the API explains
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
 def test_generate_batch_two_with_left_padding(arch):
     ref, model = model_pair(arch)
