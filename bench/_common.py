@@ -59,6 +59,18 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     return "\n".join([head, sep, *body])
 
 
+def add_out_option(parser, name: str) -> None:
+    """``--out``: where the JSON goes (see :func:`out_name`)."""
+    parser.add_argument("--out", default=None,
+                        help=f"results name under bench/results/, or a path without .json "
+                             f"(default {name}, or {name}-quick with --quick)")
+
+
+def out_name(args, name: str) -> str:
+    """The ``--out`` value, else ``name`` (``name-quick`` for a ``--quick`` run)."""
+    return args.out or (name + ("-quick" if getattr(args, "quick", False) else ""))
+
+
 def write_json(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

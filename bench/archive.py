@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import h5py  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import machine, markdown_table, write_json  # noqa: E402
+from _common import add_out_option, machine, markdown_table, out_name, write_json  # noqa: E402
 
 import fkvstore  # noqa: E402
 
@@ -212,6 +212,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="10^6 symbols instead of 10^7")
     p.add_argument("--dir", default=None, help="where to write the temporary files")
+    add_out_option(p, "archive")
     args = p.parse_args()
     n = 10**6 if args.quick else 10**7
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -224,7 +225,7 @@ def main() -> None:
     ]
     print(markdown_table(rows, cols))
     path = write_json(
-        "archive" + ("-quick" if args.quick else ""),
+        out_name(args, "archive"),
         {"machine": machine(), "symbols": n, "rows": rows},
     )
     print(f"\nwrote {path}")

@@ -21,7 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-from _common import machine, markdown_table, median_seconds, per_call_seconds, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    add_out_option,
+    machine,
+    markdown_table,
+    median_seconds,
+    out_name,
+    per_call_seconds,
+    write_json,
+)
 
 import naive  # noqa: E402
 from fkvstore.codec import Codec  # noqa: E402
@@ -91,6 +99,7 @@ def bench_one(alphabet_size: int, geometry: str, n: int, access_n: int, calls: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    add_out_option(ap, "codec")
     args = ap.parse_args()
     n = 200_000 if args.quick else 4_000_000
     access_n = 100_000 if args.quick else 1_000_000
@@ -116,7 +125,7 @@ def main() -> None:
     info = machine()
     print(f"\n{info['cpu']}, {info['cores']} cores, Python {info['python']}, {info['date']}; "
           f"encode/decode over {n:,} symbols, reads on a {access_n:,}-symbol stream")
-    path = write_json("codec" + ("-quick" if args.quick else ""),
+    path = write_json(out_name(args, "codec"),
                       {"machine": info, "symbols": n, "access_stream": access_n, "rows": rows})
     print(f"wrote {path}", file=sys.stderr)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-from _common import machine, markdown_table, write_json  # noqa: E402
+from _common import add_out_option, machine, markdown_table, out_name, write_json  # noqa: E402
 from scipy.spatial import cKDTree  # noqa: E402
 
 from fkvstore.codec import Codec  # noqa: E402
@@ -281,7 +281,9 @@ def plots(dec: dict, pr: list[dict], lat: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="small sizes (a smoke run; the docs' figures are left alone)")
+    add_out_option(ap, "search")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     text = np.frombuffer(book(), dtype=np.uint8)
@@ -316,10 +318,11 @@ def main() -> None:
     info = machine()
     print(f"\n{info['cpu']}, {info['cores']} cores, Python {info['python']}, {info['date']}")
     summary = {g: d["per_length"] for g, d in dec.items()}
-    write_json("search" + ("-quick" if args.quick else ""),
+    write_json(out_name(args, "search"),
                {"machine": info, "decay": summary, "precision_recall": pr, "latency": lat,
                 "reopen": reo})
-    plots(dec, pr, lat)
+    if not args.quick:  # the figures in docs/ come from full runs
+        plots(dec, pr, lat)
 
 
 if __name__ == "__main__":
