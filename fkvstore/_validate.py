@@ -22,24 +22,16 @@ def _check_python_items(symbols, arr: np.ndarray, alphabet_size: int, name: str)
 
     ``arr`` is ``np.asarray(symbols)``, of at most 2 dimensions and not empty.
     """
-    if arr.dtype.kind in "iu":
-        flat = _flat(symbols, arr)
-        kinds = set(map(type, flat))
-        if not kinds.intersection(_BOOLS):
-            return
-        for i, v in enumerate(flat):
-            if isinstance(v, _BOOLS):
-                raise TypeError(f"{name} must be integers, got {v!r} (bool) at index "
-                                f"{_fmt_flat(i, arr)}")
-    if arr.dtype.kind not in "fO":
+    if arr.dtype.kind not in "iufO":
         return
     flat = _flat(symbols, arr)
-    for i, v in enumerate(flat):
-        if isinstance(v, _BOOLS):
-            raise TypeError(f"{name} must be integers, got {v!r} (bool) at index "
-                            f"{_fmt_flat(i, arr)}")
-        if not isinstance(v, (int, np.integer)):
-            return  # floats, strings, ...: the checks on the array name them
+    kinds = set(map(type, flat))  # one pass in C; the per-element loops run only on a find
+    if kinds.intersection(_BOOLS):
+        i = next(i for i, v in enumerate(flat) if isinstance(v, _BOOLS))
+        raise TypeError(f"{name} must be integers, got {flat[i]!r} (bool) at index "
+                        f"{_fmt_flat(i, arr)}")
+    if arr.dtype.kind in "iu" or not all(issubclass(k, (int, np.integer)) for k in kinds):
+        return  # fine, or floats, strings, ...: the checks on the array name them
     # all integers, yet numpy could not hold them in an integer dtype: some lie outside int64
     for i, v in enumerate(flat):
         v = int(v)
