@@ -359,6 +359,13 @@ def default_variant(row):
     return variant_for(shape["q_heads"] // shape["kv_heads"], row["batch"])
 
 
+def default_graph_ms(row):
+    """CUDA-graph ms of the default kernel in a result row (None if it was not timed)."""
+    default = default_variant(row)
+    return row["rvq_graph_ms"] if row["rvq_variant"] == default else row.get(
+        f"{default}_graph_ms")
+
+
 def print_table(data, min_context=0):
     """A markdown table of the results (speed-ups are SDPA time / kernel time)."""
     bw = data["copy_bandwidth_bytes_per_s"]
@@ -382,8 +389,7 @@ def print_table(data, min_context=0):
                  fmt(atomic / r["rvq_graph_ms"] if atomic and r["rvq_graph_ms"] else None, 2),
                  fmt(r["rvq_bytes"] / tokens, 1), fmt(r["dense_bytes"] / tokens, 0),
                  fmt(r["rvq_bytes"] / bw * 1e3, 4)]
-        default = default_variant(r)
-        ms = r["rvq_graph_ms"] if r["rvq_variant"] == default else r.get(f"{default}_graph_ms")
+        default, ms = default_variant(r), default_graph_ms(r)
         cells += [default, fmt(r["sdpa_graph_ms"] / ms if ms and r["sdpa_graph_ms"] else None, 2)]
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
@@ -487,11 +493,7 @@ def plot_speedup(data, figure, min_context=0):
             ys = []
             for sel in groups:
                 r = sel.get(batch)
-                ms = None
-                if r is not None:
-                    default = default_variant(r)
-                    key = "rvq" if r["rvq_variant"] == default else default
-                    ms = r.get(f"{key}_graph_ms")
+                ms = default_graph_ms(r) if r is not None else None
                 ys.append(r["sdpa_graph_ms"] / ms if r is not None and ms else 0.0)
             ax.bar([i + (k - (len(batches) - 1) / 2) * width for i in range(len(groups))], ys,
                    width, label=f"batch {batch}")
