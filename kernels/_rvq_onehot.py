@@ -341,9 +341,13 @@ class Plan:
 
 
 def plan_for(problem: DecodeProblem, **tuning) -> Plan:
-    return Plan(problem.q_heads // problem.kv_heads, problem.value_codebooks.shape[1],
-                problem.value_codebooks.shape[2], problem.key_codebooks.shape[1],
-                problem.key_codebooks.shape[2], **tuning)
+    """The plan of a problem's shape (shared: a decode step asks for it several times)."""
+    return _plan(problem.q_heads // problem.kv_heads, problem.value_codebooks.shape[1],
+                 problem.value_codebooks.shape[2], problem.key_codebooks.shape[1],
+                 problem.key_codebooks.shape[2], **tuning)
+
+
+_plan = functools.lru_cache(maxsize=256)(Plan)
 
 
 _IDENTITIES: dict = {}
