@@ -269,14 +269,18 @@ def time_variant(problem, variant, prefix, graphs):
 SWEPT = [("qwen3-8b", (2, 2), 32768, 1), ("qwen3-8b", (2, 2), 131072, 1),
          ("qwen3-8b", (4, 2), 65536, 8), ("qwen3-8b", (2, 2), 131072, 32),
          ("gpt2", (2, 2), 131072, 8)]
-TUNINGS = ("default", "no prefetch", "half block", "other table layout")
+TUNINGS = ("default", "no prefetch", "half block", "other table layout", "other centroid block")
 
 
-def tunings(plan):
+def tunings(problem, plan):
     """One-hot kernel settings beside the defaults: no L2 requests ahead (the previous
-    kernel), half the positions per step, and the score-table layout the plan does not pick."""
+    kernel), half the positions per step, the score-table layout the plan does not pick, and
+    the centroids per program (32 or 64) the kernel does not pick."""
+    from kernels import _rvq_onehot
+
     return {"default": {}, "no prefetch": {"prefetch": 0}, "half block": {"block_n": 64},
-            "other table layout": {"centroid_major": not plan.centroid_major}}
+            "other table layout": {"centroid_major": not plan.centroid_major},
+            "other centroid block": {"block_c": 96 - _rvq_onehot._block_c(problem, plan)}}
 
 
 def sweep_splits(device, split_factors=(0.5, 1, 2)):
@@ -299,7 +303,7 @@ def sweep_splits(device, split_factors=(0.5, 1, 2)):
             # the count the kernel runs (split lengths are whole blocks)
             splits = split_layout(problem.key_codes.shape[2], max(1, round(chosen * factor)),
                                   block_n)[1]
-            for label, tuning in tunings(plan).items():
+            for label, tuning in tunings(problem, plan).items():
 
                 def fn(splits=splits, tuning=tuning, problem=problem):
                     return _rvq_onehot.decode(problem, num_splits=splits, **tuning)

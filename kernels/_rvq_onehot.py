@@ -1,27 +1,35 @@
 """Atomic-free Triton decode attention on residual-VQ codes: one-hot products on tensor cores.
 
-Two launches per call:
+Four launches per call; only the split kernel's work grows with the context:
 
-1. ``_split_kernel``: one program per (sequence split, batch, kv head, query-head chunk), plus
-   one extra program per (batch, kv head, chunk) for the exact sink and recent tokens. An
-   archive program first writes its own score table ``q . C_k[stage, c]`` (times
-   ``scale * log2(e)``) to scratch, then walks its positions in blocks. Weights are taken
-   against a fixed reference, the largest score the table allows (the sum over key stages of
-   each stage's best centroid), so no block needs a reduction or a rescale; a split whose best
-   score lies far below that bound is walked a second time against its true maximum.
-   The value histogram ``W[stage, head, c]`` (total weight of the positions whose value code
-   at that stage is ``c``) is accumulated with ``tl.dot`` instead of atomic adds: a code is
-   split into a high and a low part, ``c = hi * LO + lo``, and
+1. ``_table_kernel``: the score table ``q . C_k[stage, c]`` (times ``scale * log2(e)``) of each
+   (batch, kv head, query-head chunk), once for all its splits, one program per key stage and
+   block of centroids, with each block's best score per head.
+2. ``_split_kernel``: one program per (sequence split, batch, kv head, chunk), plus one extra
+   program per (batch, kv head, chunk) for the exact sink and recent tokens. An archive
+   program walks its positions in blocks. Weights are taken against a fixed reference, the
+   largest score the table allows (the sum over key stages of each stage's best centroid), so
+   no block needs a reduction or a rescale; a split whose best score lies far below that bound
+   is walked a second time against its true maximum. The value histogram ``W[stage, head, c]``
+   (total weight of the positions whose value code at that stage is ``c``) is accumulated with
+   ``tl.dot`` instead of atomic adds: a code is split into a high and a low part,
+   ``c = hi * LO + lo``, and
 
        W[s, (g, hi), lo] += sum_n (p[g, n] * [hi_code[s, n] == hi]) * [lo_code[s, n] == lo]
 
    is one batched matrix product per block. Both one-hot factors are rows of an identity
    matrix read at the code, so per position and stage the kernel loads ``HI + LO`` entries
    and multiplies ``heads * HI`` of them by the weights (instead of ``codebook_size``
-   comparisons). Each program finishes with the histogram times the value codebooks, and
-   writes its partial output with its softmax reference and weight sum (flash-decoding
-   style).
-2. ``_combine_kernel``: one program per (batch, query head) merges the partials.
+   comparisons). The program writes its histogram, reference and weight sum.
+3. ``_value_kernel``: one program per (batch, kv head, chunk, value stage, block of
+   centroids) merges the splits' histograms against their common maximum and multiplies the
+   merged block by the value codebook: a partial output (flash-decoding style).
+4. ``_combine_kernel``: one program per (batch, query head) merges the partial outputs with
+   the exact tokens' one.
+
+The table and the codebook product are launches of their own because done in every split
+program, that repeated fixed work took 8% (batch 32, 128K) to 45% (batch 1, 32K) of the time
+on the H200 (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ from kernels._validate import MAX_SPLITS, DecodeProblem, check_num_splits
 MIN_CODEBOOK = 256  # codebooks are padded to at least 16 x 16 (tl.dot needs 16 rows and columns)
 MAX_ACC = 4096  # float32 histogram entries per program (registers)
 MAX_OPERAND = 8192  # entries of either one-hot operand per block (16 KB of shared memory)
-MAX_TABLE_BYTES = 256 << 20  # scratch for the per-program score tables
+MAX_SCRATCH_BYTES = 256 << 20  # the split programs' value histograms
 # H200, Qwen3-8B shapes: the centroid-major table was up to 4% faster with 4 key stages (batch
 # 8 and 32) and 1-2% slower with 2 (docs/kernels.md)
 CENTROID_MAJOR_STAGES = 4
@@ -131,90 +139,106 @@ def _weights_pass(tab, eye, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss,
 
 
 @triton.jit
-def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
-                  sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr,
-                  tab_ptr, hist_ptr, eye_ptr, o_ptr, ml_ptr, qk_scale,
-                  q_sb, q_sh,
-                  kcb_sh, kcb_ss, kcb_sc, vcb_sh, vcb_ss, vcb_sc,
-                  kc_sb, kc_sh, kc_sn, kc_ss, vc_sb, vc_sh, vc_sn, vc_ss,
-                  sk_sb, sk_sh, sk_sn, sv_sb, sv_sh, sv_sn,
-                  rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn,
-                  o_sb, o_sh, o_sp, ml_sb, ml_sh, ml_sp,
-                  KV_HEADS, GROUP, GROUP_CHUNKS, SPLIT_LEN, NUM_SPLITS, HEAD_DIM,
-                  KEY_CODEBOOK, VALUE_CODEBOOK,
-                  KEY_STAGES: tl.constexpr, VALUE_STAGES: tl.constexpr,
-                  VALUE_STAGES_P: tl.constexpr, KEY_CODEBOOK_P: tl.constexpr,
-                  HI: tl.constexpr, LO: tl.constexpr, LO_BITS: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_B: tl.constexpr, TABLE_IEEE: tl.constexpr, EYE: tl.constexpr,
-                  PREFETCH: tl.constexpr, CENTROID_MAJOR: tl.constexpr):
-    split = tl.program_id(0)
-    pid_bhg = tl.program_id(1)
-    # BLOCK_G heads in BLOCK_M >= 16 rows (tl.dot needs 16)
-    b, kvh, chunk, _, row_ok, heads_row = _program_heads(pid_bhg, KV_HEADS, GROUP,
-                                                         GROUP_CHUNKS, BLOCK_G, BLOCK_M)
+def _table_kernel(q_ptr, kcb_ptr, tab_ptr, smax_ptr, qk_scale, q_sb, q_sh,
+                  kcb_sh, kcb_ss, kcb_sc, KV_HEADS, GROUP, GROUP_CHUNKS, HEAD_DIM, KEY_CODEBOOK,
+                  TABLE_BLOCKS, KEY_STAGES: tl.constexpr, KEY_CODEBOOK_P: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_C: tl.constexpr, TABLE_IEEE: tl.constexpr, CENTROID_MAJOR: tl.constexpr):
+    """``BLOCK_C`` centroids of one key stage of a (batch, kv head, chunk)'s score table
+    ``q . C_k[stage, c] * scale * log2(e)``, shared by all its splits, and their best score per
+    head (``smax[bhg, stage, block, g]``)."""
+    pid_bhg = tl.program_id(0)
+    s = tl.program_id(1) // TABLE_BLOCKS
+    block = tl.program_id(1) % TABLE_BLOCKS
+    b, kvh, _, _, row_ok, heads_row = _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
+                                                     BLOCK_G, BLOCK_M)
     row = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + b * q_sb + heads_row[:, None] * q_sh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    c = block * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < KEY_CODEBOOK
+    cb = tl.load(kcb_ptr + kvh * kcb_sh + s * kcb_ss + c[:, None] * kcb_sc + d[None, :],
+                 mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    if TABLE_IEEE:
+        t = tl.dot(q, tl.trans(cb), input_precision="ieee")
+    else:  # float16 and bfloat16 are exact in tf32
+        t = tl.dot(q, tl.trans(cb), input_precision="tf32")
+    t = t * qk_scale
+    tab = tab_ptr + pid_bhg.to(tl.int64) * (KEY_STAGES * BLOCK_G * KEY_CODEBOOK_P)
+    tl.store(tab + _table_index(s, c[None, :], row[:, None], KEY_CODEBOOK_P, BLOCK_G,
+                                CENTROID_MAJOR),
+             t, mask=(row[:, None] < BLOCK_G) & c_ok[None, :])
+    top = tl.max(tl.where(c_ok[None, :], t, float("-inf")), axis=1)
+    tl.store(smax_ptr + (pid_bhg * KEY_STAGES * TABLE_BLOCKS + tl.program_id(1)) * BLOCK_G + row,
+             top, mask=row < BLOCK_G)
 
-    m_out = tl.full([BLOCK_M], NEG_BIG, tl.float32)
-    l_out = tl.zeros([BLOCK_M], tl.float32)
-    o_out = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+@triton.jit
+def _split_kernel(q_ptr, kc_ptr, vc_ptr, alen_ptr,
+                  sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr,
+                  tab_ptr, smax_ptr, hist_ptr, mla_ptr, eye_ptr, o_ptr, ml_ptr, qk_scale,
+                  q_sb, q_sh,
+                  kc_sb, kc_sh, kc_sn, kc_ss, vc_sb, vc_sh, vc_sn, vc_ss,
+                  sk_sb, sk_sh, sk_sn, sv_sb, sv_sh, sv_sn,
+                  rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn,
+                  o_sb, o_sh, o_sp, ml_sb, ml_sh, ml_sp,
+                  KV_HEADS, GROUP, GROUP_CHUNKS, SPLIT_LEN, NUM_SPLITS, EXACT_PART, HEAD_DIM,
+                  TABLE_BLOCKS,
+                  KEY_STAGES: tl.constexpr, VALUE_STAGES: tl.constexpr,
+                  VALUE_STAGES_P: tl.constexpr, KEY_CODEBOOK_P: tl.constexpr,
+                  HI: tl.constexpr, LO: tl.constexpr, LO_BITS: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, EYE: tl.constexpr,
+                  PREFETCH: tl.constexpr, CENTROID_MAJOR: tl.constexpr):
+    split = tl.program_id(0)
+    pid_bhg = tl.program_id(1)
     if split == NUM_SPLITS:  # the exact sink and recent tokens of these heads
-        qf = q.to(tl.float32)
+        # BLOCK_G heads in BLOCK_M >= 16 rows (tl.dot needs 16)
+        b, kvh, _, _, row_ok, heads_row = _program_heads(pid_bhg, KV_HEADS, GROUP,
+                                                         GROUP_CHUNKS, BLOCK_G, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q = tl.load(q_ptr + b * q_sb + heads_row[:, None] * q_sh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        m_out = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+        l_out = tl.zeros([BLOCK_M], tl.float32)
+        o_out = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         m_out, l_out, o_out = _exact_segment(
-            qf, sk_ptr + b * sk_sb + kvh * sk_sh, sv_ptr + b * sv_sb + kvh * sv_sh,
+            q, sk_ptr + b * sk_sb + kvh * sk_sh, sv_ptr + b * sv_sb + kvh * sv_sh,
             tl.load(slen_ptr + b), m_out, l_out, o_out, sk_sn, sv_sn, d, d_ok, qk_scale,
             BLOCK_E)
         m_out, l_out, o_out = _exact_segment(
-            qf, rk_ptr + b * rk_sb + kvh * rk_sh, rv_ptr + b * rv_sb + kvh * rv_sh,
+            q, rk_ptr + b * rk_sb + kvh * rk_sh, rv_ptr + b * rv_sb + kvh * rv_sh,
             tl.load(rlen_ptr + b), m_out, l_out, o_out, rk_sn, rv_sn, d, d_ok, qk_scale,
             BLOCK_E)
+        base = b * ml_sb + heads_row * ml_sh + EXACT_PART * ml_sp
+        tl.store(ml_ptr + base, m_out, mask=row_ok)
+        tl.store(ml_ptr + base + 1, l_out, mask=row_ok)
+        tl.store(o_ptr + b * o_sb + heads_row[:, None] * o_sh + EXACT_PART * o_sp + d[None, :],
+                 o_out, mask=row_ok[:, None] & d_ok[None, :])
     else:
+        chunk = pid_bhg % GROUP_CHUNKS
+        kvh = (pid_bhg // GROUP_CHUNKS) % KV_HEADS
+        b = pid_bhg // (GROUP_CHUNKS * KV_HEADS)
         start = split * SPLIT_LEN
         end = tl.minimum(start + SPLIT_LEN, tl.load(alen_ptr + b))
-        if start < end:
-            prog = pid_bhg * NUM_SPLITS + split
-            tab = tab_ptr + prog.to(tl.int64) * (KEY_STAGES * BLOCK_G * KEY_CODEBOOK_P)
-            hist = hist_ptr + prog.to(tl.int64) * (VALUE_STAGES_P * BLOCK_G * HI * LO)
-            # this program's score table
-            qt = q.to(tl.float32)
-            ct = tl.arange(0, BLOCK_C)
-            for s in tl.static_range(KEY_STAGES):
-                for c0 in range(0, KEY_CODEBOOK, BLOCK_C):
-                    c = c0 + ct
-                    c_ok = c < KEY_CODEBOOK
-                    cb = tl.load(kcb_ptr + kvh * kcb_sh + s * kcb_ss + c[:, None] * kcb_sc
-                                 + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-                    if TABLE_IEEE:
-                        t = tl.dot(qt, tl.trans(cb.to(tl.float32)), input_precision="ieee")
-                    else:
-                        t = tl.dot(qt, tl.trans(cb.to(tl.float32)), input_precision="tf32")
-                    t = t * qk_scale
-                    tl.store(tab + _table_index(s, c[None, :], row[:, None], KEY_CODEBOOK_P,
-                                                BLOCK_G, CENTROID_MAJOR),
-                             t, mask=(row[:, None] < BLOCK_G) & c_ok[None, :])
-            tl.debug_barrier()
-
-            g_ok = chunk * BLOCK_G + tl.arange(0, BLOCK_G) < GROUP  # row_ok without padding
+        if start < end:  # the value kernel reads only the splits that hold positions
+            tab = tab_ptr + pid_bhg.to(tl.int64) * (KEY_STAGES * BLOCK_G * KEY_CODEBOOK_P)
+            g = tl.arange(0, BLOCK_G)
+            g_ok = chunk * BLOCK_G + g < GROUP
             kc_base = kc_ptr + b * kc_sb + kvh * kc_sh
             vc_base = vc_ptr + b * vc_sb + kvh * vc_sh
             # a fixed softmax reference instead of a running maximum: no per-block reductions
             # or rescaling. The largest score any position could reach is the sum over stages
             # of the table's row maxima; weights are at most 2^REF_HEADROOM in float16.
             bound = tl.zeros([BLOCK_G], tl.float32)
+            smax = smax_ptr + pid_bhg * (KEY_STAGES * TABLE_BLOCKS * BLOCK_G) + g
             for s in tl.static_range(KEY_STAGES):
                 top = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                for c0 in range(0, KEY_CODEBOOK, BLOCK_B):
-                    cb_ = c0 + tl.arange(0, BLOCK_B)
-                    t = tl.load(tab + _table_index(s, cb_[None, :],
-                                                   tl.arange(0, BLOCK_G)[:, None],
-                                                   KEY_CODEBOOK_P, BLOCK_G, CENTROID_MAJOR),
-                                mask=cb_[None, :] < KEY_CODEBOOK, other=float("-inf"))
-                    top = tl.maximum(top, tl.max(t, axis=1))
+                for block in range(0, TABLE_BLOCKS):
+                    top = tl.maximum(top, tl.load(smax + (s * TABLE_BLOCKS + block) * BLOCK_G))
                 bound += top
             m = bound - REF_HEADROOM
             acc, l, top = _weights_pass(
@@ -229,35 +253,77 @@ def _split_kernel(q_ptr, kcb_ptr, vcb_ptr, kc_ptr, vc_ptr, alen_ptr,
                     tab, eye_ptr, kc_base, vc_base, start, end, m, g_ok, kc_sn, kc_ss, vc_sn,
                     vc_ss, KEY_STAGES, VALUE_STAGES, VALUE_STAGES_P, KEY_CODEBOOK_P, HI, LO,
                     LO_BITS, BLOCK_G, BLOCK_N, EYE, PREFETCH, CENTROID_MAJOR)
+            # the split's histogram W[stage, head, c] (c = hi * LO + lo), reference and sum
+            prog = (pid_bhg * NUM_SPLITS + split).to(tl.int64)
+            hist = hist_ptr + prog * (VALUE_STAGES_P * BLOCK_G * HI * LO)
+            cols = tl.arange(0, BLOCK_G * HI)  # (head, hi)
+            tl.store(hist + tl.arange(0, VALUE_STAGES_P)[:, None, None] * (BLOCK_G * HI * LO)
+                     + tl.arange(0, LO)[None, :, None] + cols[None, None, :] * LO, acc)
+            tl.store(mla_ptr + prog * (2 * BLOCK_G) + g, tl.where(g_ok, m, NEG_BIG))
+            tl.store(mla_ptr + prog * (2 * BLOCK_G) + BLOCK_G + g, tl.where(g_ok, l, 0.0))
 
-            # histogram times value codebooks: [heads, stages * centroids] @ [.., head_dim]
-            rows3 = tl.arange(0, BLOCK_G * HI)
-            vs = tl.arange(0, VALUE_STAGES_P)
-            lo_ar = tl.arange(0, LO)
-            tl.store(hist + vs[:, None, None] * (BLOCK_G * HI * LO) + lo_ar[None, :, None]
-                     + rows3[None, None, :] * LO, acc)
-            tl.debug_barrier()
-            for s in tl.static_range(VALUE_STAGES):
-                for c0 in range(0, VALUE_CODEBOOK, BLOCK_C):
-                    c = c0 + ct
-                    c_ok = c < VALUE_CODEBOOK
-                    w = tl.load(hist + s * (BLOCK_G * HI * LO) + row[:, None] * (HI * LO)
-                                + c[None, :], mask=(row[:, None] < BLOCK_G) & c_ok[None, :],
-                                other=0.0)
-                    cv = tl.load(vcb_ptr + kvh * vcb_sh + s * vcb_ss + c[:, None] * vcb_sc
-                                 + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-                    o_out = tl.dot(w, cv.to(tl.float32), o_out, input_precision="tf32")
-            m_g = tl.where(g_ok, m, NEG_BIG)
-            l_g = tl.where(g_ok, l, 0.0)
-            # from BLOCK_G entries to the BLOCK_M rows of the output
-            sel = tl.arange(0, BLOCK_G)[None, :] == row[:, None]
-            m_out = tl.max(tl.where(sel, m_g[None, :], NEG_BIG), axis=1)
-            l_out = tl.sum(tl.where(sel, l_g[None, :], 0.0), axis=1)
 
-    base = b * ml_sb + heads_row * ml_sh + split * ml_sp
-    tl.store(ml_ptr + base, m_out, mask=row_ok)
-    tl.store(ml_ptr + base + 1, l_out, mask=row_ok)
-    tl.store(o_ptr + b * o_sb + heads_row[:, None] * o_sh + split * o_sp + d[None, :], o_out,
+@triton.jit
+def _value_kernel(vcb_ptr, hist_ptr, mla_ptr, alen_ptr, o_ptr, ml_ptr,
+                  vcb_sh, vcb_ss, vcb_sc, o_sb, o_sh, o_sp, ml_sb, ml_sh, ml_sp,
+                  KV_HEADS, GROUP, GROUP_CHUNKS, SPLIT_LEN, NUM_SPLITS, HEAD_DIM, VALUE_CODEBOOK,
+                  VALUE_STAGES_P: tl.constexpr, CODEBOOK_P: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One piece (value stage, block of ``BLOCK_C`` centroids) of a (batch, kv head, chunk):
+    the splits' histograms merged against their largest reference (``BLOCK_S`` splits per
+    step: their loads are in flight together), times the value codebook. Writes a partial
+    output with the merged reference and, for piece 0, the weight sum."""
+    pid_bhg = tl.program_id(0)
+    piece = tl.program_id(1)
+    c_blocks = tl.cdiv(VALUE_CODEBOOK, BLOCK_C)
+    s = piece // c_blocks
+    b, kvh, _, _, row_ok, heads_row = _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
+                                                     BLOCK_G, BLOCK_M)
+    g = tl.arange(0, BLOCK_G)
+    c = (piece % c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < VALUE_CODEBOOK
+    active = tl.cdiv(tl.load(alen_ptr + b), SPLIT_LEN)  # splits that hold positions
+    mla = mla_ptr + pid_bhg.to(tl.int64) * NUM_SPLITS * (2 * BLOCK_G)
+    hist = (hist_ptr + pid_bhg.to(tl.int64) * NUM_SPLITS * (VALUE_STAGES_P * BLOCK_G * CODEBOOK_P)
+            + s * (BLOCK_G * CODEBOOK_P))
+    m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    for s0 in range(0, active, BLOCK_S):
+        sp = s0 + tl.arange(0, BLOCK_S)
+        m_sp = tl.load(mla + sp[:, None] * (2 * BLOCK_G) + g[None, :],
+                       mask=(sp < active)[:, None], other=NEG_BIG)
+        m = tl.maximum(m, tl.max(m_sp, axis=0))
+    w = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    for s0 in range(0, active, BLOCK_S):
+        sp = s0 + tl.arange(0, BLOCK_S)
+        sp_ok = sp < active
+        rescale = tl.math.exp2(tl.load(mla + sp[:, None] * (2 * BLOCK_G) + g[None, :],
+                                       mask=sp_ok[:, None], other=NEG_BIG) - m[None, :])
+        l += tl.sum(rescale * tl.load(mla + sp[:, None] * (2 * BLOCK_G) + BLOCK_G + g[None, :],
+                                      mask=sp_ok[:, None], other=0.0), axis=0)
+        h = tl.load(hist + sp[:, None, None] * (VALUE_STAGES_P * BLOCK_G * CODEBOOK_P)
+                    + g[None, :, None] * CODEBOOK_P + c[None, None, :],
+                    mask=sp_ok[:, None, None] & c_ok[None, None, :], other=0.0)
+        w += tl.sum(rescale[:, :, None] * h, axis=0)
+    # from BLOCK_G heads to the BLOCK_M >= 16 rows tl.dot needs
+    if BLOCK_M == BLOCK_G:
+        w_rows, m_rows, l_rows = w, m, l
+    else:
+        row = tl.arange(0, BLOCK_M)
+        sel = row[:, None] == g[None, :]
+        w_rows = tl.sum(tl.where(sel[:, :, None], w[None, :, :], 0.0), axis=1)
+        m_rows = tl.max(tl.where(sel, m[None, :], NEG_BIG), axis=1)
+        l_rows = tl.sum(tl.where(sel, l[None, :], 0.0), axis=1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    cv = tl.load(vcb_ptr + kvh * vcb_sh + s * vcb_ss + c[:, None] * vcb_sc + d[None, :],
+                 mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+    o = tl.dot(w_rows, cv.to(tl.float32), input_precision="tf32")
+    base = b * ml_sb + heads_row * ml_sh + piece * ml_sp
+    tl.store(ml_ptr + base, m_rows, mask=row_ok)
+    tl.store(ml_ptr + base + 1, tl.where(piece == 0, l_rows, 0.0), mask=row_ok)
+    tl.store(o_ptr + b * o_sb + heads_row[:, None] * o_sh + piece * o_sp + d[None, :], o,
              mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -337,7 +403,13 @@ class Plan:
         self.centroid_major = bool(centroid_major)
 
     def table_floats(self, key_stages: int) -> int:
+        """Floats of one (batch, kv head, chunk)'s score table."""
         return key_stages * self.block_g * self.key_codebook_p
+
+    @property
+    def hist_floats(self) -> int:
+        """Floats of one split program's value histogram."""
+        return self.value_stages_p * self.block_g * self.codebook_p
 
 
 def plan_for(problem: DecodeProblem, **tuning) -> Plan:
@@ -367,13 +439,14 @@ def _identity(size: int, device: torch.device) -> torch.Tensor:
 
 def supports(problem: DecodeProblem, num_splits: int | None = None,
              num_warps: int = 4) -> bool:
-    """Whether the one-hot kernel handles this problem (histogram fits, scratch bounded)."""
+    """Whether the one-hot kernel handles this problem (a histogram fits a program, and the
+    split programs' histograms fit ``MAX_SCRATCH_BYTES``)."""
     plan = plan_for(problem)
     if not plan.supported:
         return False
     splits = num_splits or choose_num_splits(problem, num_warps)
     programs = splits * problem.batch * problem.kv_heads * _chunks(problem, plan)
-    return programs * plan.table_floats(problem.key_codebooks.shape[1]) * 4 <= MAX_TABLE_BYTES
+    return programs * plan.hist_floats * 4 <= MAX_SCRATCH_BYTES
 
 
 def _chunks(problem: DecodeProblem, plan: Plan) -> int:
@@ -381,9 +454,21 @@ def _chunks(problem: DecodeProblem, plan: Plan) -> int:
 
 
 MAX_REGISTERS = 168  # per thread: three 4-warp programs fit a multiprocessor's 64K registers
-MIN_SPLIT_LEN = 1024  # H200: 1K positions per split beat 512 at batch 1 (fixed table cost)
-PROGRAM_COST = 1024  # a program's fixed work (score table, codebook product) in positions
+MIN_SPLIT_LEN = 256  # positions per split, at least
+PROGRAM_COST = 256  # a split program's fixed work (reference, histogram store, merge) in positions
+# How much longer a multiprocessor takes per position when it runs only one or two programs
+# (too few loads in flight). H200, Qwen3-8B shapes (docs/kernels.md): at batch 1, 2,048
+# positions took 44.6 us as one program and 33.4 us as two; at batch 32 / 128K, two programs
+# of 128K positions took 1.5x as long as six of 43K (three at a time)
+LOAD_SLOWDOWN = {1: 1.8, 2: 1.1}
 PREFETCH_STEPS = 2  # blocks ahead whose codes are requested into L2
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; the CPU (Triton's interpreter) stands in for 4."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
 
 
 def resident_programs(num_warps: int = 4) -> int:
@@ -392,52 +477,68 @@ def resident_programs(num_warps: int = 4) -> int:
     return max(1, 65536 // (MAX_REGISTERS * 32 * num_warps))
 
 
+def _rounds_cost(load: int, resident: int) -> float:
+    """Time of ``load`` programs on one multiprocessor, in program lengths: full rounds of
+    ``resident`` programs, then the rest, slowed down if few (``LOAD_SLOWDOWN``)."""
+    rest = load % resident if load > resident else load
+    return load - rest + rest * LOAD_SLOWDOWN.get(rest, 1.0)
+
+
 @functools.lru_cache(maxsize=1024)
-def _best_splits(programs_per_split: int, capacity: int, slots: int, block_n: int) -> int:
+def _best_splits(programs_per_split: int, capacity: int, multiprocessors: int, resident: int,
+                 block_n: int) -> int:
     """The split count that :func:`split_layout` keeps (so the kernel runs exactly it) with the
-    least ``waves x (positions per split + PROGRAM_COST)``."""
+    least modelled time ``_rounds_cost(load) x (positions per split + PROGRAM_COST)``, where
+    ``load`` is the most programs a multiprocessor runs."""
     most = max(1, min(math.ceil(capacity / MIN_SPLIT_LEN), MAX_SPLITS))
     best = None
     for wanted in range(1, most + 1):
         split_len, splits = split_layout(capacity, wanted, block_n)
-        # the exact-token programs are short; they free their slots early and are not counted
-        cost = math.ceil(programs_per_split * splits / slots) * (split_len + PROGRAM_COST)
+        # the exact-token programs are short and are not counted
+        load = math.ceil(programs_per_split * splits / multiprocessors)
+        cost = _rounds_cost(load, resident) * (split_len + PROGRAM_COST)
         if best is None or cost < best[0]:
             best = (cost, splits)
     return best[1]
 
 
 def choose_num_splits(problem: DecodeProblem, num_warps: int = 4) -> int:
-    """The split count with the least modelled time: programs run in waves of
-    ``resident_programs`` per multiprocessor, and a wave lasts as long as its programs'
-    positions plus their fixed work (``PROGRAM_COST``). A partly filled last wave costs a whole
-    one, so the count aims at whole waves (H200 sweep in ``docs/kernels.md``: 1.15x faster than
-    half the splits at 128K / batch 32, 1.34x at 64K / batch 8). At most
-    ``capacity / MIN_SPLIT_LEN`` splits (rounded up)."""
+    """The split count with the least modelled time (:func:`_best_splits`). The kernel is bound
+    by each multiprocessor's load units, so a multiprocessor's time is the positions of all the
+    programs it runs (plus their fixed work), whether they are resident together or come in
+    waves, and the busiest one sets the time; one or two programs running alone leave the
+    units idle part of the time (``LOAD_SLOWDOWN``). At most ``capacity / MIN_SPLIT_LEN``
+    splits (rounded up); the H200 sweep in ``docs/kernels.md`` checks the choice."""
     capacity = problem.key_codes.shape[2]
     if capacity == 0:
         return 1
     plan = plan_for(problem)
     programs = problem.batch * problem.kv_heads * _chunks(problem, plan)
-    if problem.query.is_cuda:
-        sms = torch.cuda.get_device_properties(problem.query.device).multi_processor_count
-    else:
-        sms = 4
-    return _best_splits(programs, capacity, resident_programs(num_warps) * sms, plan.block_n)
+    return _best_splits(programs, capacity, _multiprocessors(problem.query.device),
+                        resident_programs(num_warps), plan.block_n)
+
+
+def _block_c(problem: DecodeProblem, plan: Plan) -> int:
+    """Centroids per program of the score table and the value merge: 32 when 64 would leave
+    multiprocessors idle (batch 1; H200: 1.07x to 1.15x faster there, 1-2% slower at batch 8)."""
+    pieces = (problem.batch * problem.kv_heads * _chunks(problem, plan)
+              * problem.value_codebooks.shape[1] * math.ceil(problem.value_codebooks.shape[2] / 64))
+    return 32 if pieces < _multiprocessors(problem.query.device) else 64
 
 
 def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
            num_stages: int = 1, block_n: int | None = None, hi_bits: int | None = None,
-           block_c: int = 64, prefetch: int | None = None,
+           block_c: int | None = None, prefetch: int | None = None,
            centroid_major: bool | None = None) -> torch.Tensor:
-    """Run the split and combine kernels on a validated problem; ``(batch, q_heads, head_dim)``.
+    """Run the four kernels on a validated problem; ``(batch, q_heads, head_dim)``.
 
-    ``num_stages`` (software pipelining depth; 1, none, was fastest on the H200),
-    ``block_n`` (positions per step, a power of two >= 16), ``hi_bits`` (see :class:`Plan`),
-    ``block_c`` (centroids per step of the score table and of the final codebook product,
-    a power of two >= 16), ``prefetch`` (blocks ahead whose codes are requested into L2;
-    0 for none, default ``PREFETCH_STEPS`` on a GPU) and ``centroid_major`` (the score
-    table's layout, see :class:`Plan`) override the defaults, for tuning.
+    ``num_stages`` (software pipelining depth of the split kernel; 1, none, was fastest on the
+    H200), ``block_n`` (positions per step, a power of two >= 16), ``hi_bits`` (see
+    :class:`Plan`), ``block_c`` (centroids per program of the score table and of the value
+    merge, a power of two >= 16; default :func:`_block_c`), ``prefetch`` (blocks ahead whose
+    codes are requested into L2; 0 for none, default ``PREFETCH_STEPS`` on a GPU) and
+    ``centroid_major`` (the score table's layout, see :class:`Plan`) override the defaults,
+    for tuning.
     """
     p = problem
     batch, q_heads, head_dim = p.query.shape
@@ -459,6 +560,8 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     if not plan.supported:
         raise ValueError(f"value_codebooks {tuple(p.value_codebooks.shape)}: the histogram "
                          f"does not fit the one-hot kernel")
+    if block_c is None:
+        block_c = _block_c(p, plan)
     if num_splits is None:
         num_splits = choose_num_splits(p, num_warps)
     check_num_splits(num_splits)
@@ -471,11 +574,15 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     qk_scale = p.scale * LOG2E
     programs = num_splits * batch * kv_heads * chunks
 
-    tab = torch.empty(programs * plan.table_floats(key_stages), dtype=torch.float32,
-                      device=device)
-    hist = torch.empty(programs * plan.value_stages_p * plan.block_g * plan.codebook_p,
-                       dtype=torch.float32, device=device)
-    parts = num_splits + 1  # the last part holds the exact tokens
+    bhg = batch * kv_heads * chunks
+    pieces = value_stages * triton.cdiv(value_codebook, block_c)
+    table_blocks = triton.cdiv(key_codebook, block_c)
+    tab = torch.empty(bhg * plan.table_floats(key_stages), dtype=torch.float32, device=device)
+    smax = torch.empty(bhg * key_stages * table_blocks * plan.block_g, dtype=torch.float32,
+                       device=device)
+    hist = torch.empty(programs * plan.hist_floats, dtype=torch.float32, device=device)
+    ml_arch = torch.empty(programs * 2 * plan.block_g, dtype=torch.float32, device=device)
+    parts = pieces + 1  # the last part holds the exact tokens
     o_part = torch.empty(batch, q_heads, parts, head_dim, dtype=torch.float32, device=device)
     ml_part = torch.empty(batch, q_heads, parts, 2, dtype=torch.float32, device=device)
     kc, vc = p.key_codes, p.value_codes
@@ -485,27 +592,34 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     sk, sv, rk, rv = (_launchable(t) for t in (p.sink_keys, p.sink_values, p.recent_keys,
                                                  p.recent_values))
     kcb, vcb = p.key_codebooks, p.value_codebooks
-    table_ieee = kcb.dtype == torch.float32  # fp16 and bf16 are exact in tf32
+    heads = dict(BLOCK_G=plan.block_g, BLOCK_M=max(16, plan.block_g), BLOCK_D=block_d)
+    _table_kernel[(bhg, key_stages * table_blocks)](
+        p.query, kcb, tab, smax, qk_scale, p.query.stride(0), p.query.stride(1),
+        *kcb.stride()[:3], kv_heads, group, chunks, head_dim, key_codebook, table_blocks,
+        KEY_STAGES=key_stages, KEY_CODEBOOK_P=plan.key_codebook_p, BLOCK_C=block_c,
+        TABLE_IEEE=kcb.dtype == torch.float32, CENTROID_MAJOR=plan.centroid_major, **heads,
+        num_warps=num_warps)
     compile_options = {"maxnreg": MAX_REGISTERS} if nvidia else {}
-    _split_kernel[(parts, batch * kv_heads * chunks)](
-        p.query, kcb, vcb, kc, vc, p.archived_lengths,
+    _split_kernel[(num_splits + 1, bhg)](
+        p.query, kc, vc, p.archived_lengths,
         sk, sv, rk, rv, p.sink_lengths, p.recent_lengths,
-        tab, hist, _identity(plan.eye, device), o_part, ml_part, qk_scale,
+        tab, smax, hist, ml_arch, _identity(plan.eye, device), o_part, ml_part, qk_scale,
         p.query.stride(0), p.query.stride(1),
-        *kcb.stride()[:3], *vcb.stride()[:3],
         *kc.stride(), *vc.stride(),
         *sk.stride()[:3], *sv.stride()[:3], *rk.stride()[:3], *rv.stride()[:3],
         *o_part.stride()[:3], *ml_part.stride()[:3],
-        kv_heads, group, chunks, split_len, num_splits, head_dim,
-        key_codebook, value_codebook,
+        kv_heads, group, chunks, split_len, num_splits, pieces, head_dim, table_blocks,
         KEY_STAGES=key_stages, VALUE_STAGES=value_stages,
         VALUE_STAGES_P=plan.value_stages_p, KEY_CODEBOOK_P=plan.key_codebook_p,
-        HI=plan.hi, LO=plan.lo, LO_BITS=plan.lo_bits,
-        BLOCK_G=plan.block_g, BLOCK_M=max(16, plan.block_g), BLOCK_N=block_n,
-        BLOCK_D=block_d, BLOCK_C=block_c, BLOCK_E=16, BLOCK_B=min(256, plan.key_codebook_p),
-        TABLE_IEEE=table_ieee, EYE=plan.eye, PREFETCH=prefetch,
-        CENTROID_MAJOR=plan.centroid_major,
+        HI=plan.hi, LO=plan.lo, LO_BITS=plan.lo_bits, BLOCK_N=block_n, BLOCK_E=16,
+        EYE=plan.eye, PREFETCH=prefetch, CENTROID_MAJOR=plan.centroid_major, **heads,
         num_warps=num_warps, num_stages=num_stages, **compile_options)
+    _value_kernel[(bhg, pieces)](
+        vcb, hist, ml_arch, p.archived_lengths, o_part, ml_part, *vcb.stride()[:3],
+        *o_part.stride()[:3], *ml_part.stride()[:3],
+        kv_heads, group, chunks, split_len, num_splits, head_dim, value_codebook,
+        VALUE_STAGES_P=plan.value_stages_p, CODEBOOK_P=plan.codebook_p, BLOCK_C=block_c,
+        BLOCK_S=max(1, min(16, 2048 // (plan.block_g * block_c))), **heads, num_warps=num_warps)
     out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=device)
     _combine_kernel[(batch * q_heads,)](
         o_part, ml_part, out, *o_part.stride()[:3], *ml_part.stride()[:3],

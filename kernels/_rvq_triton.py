@@ -339,7 +339,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     """Decode attention on a validated problem; returns ``(batch, q_heads, head_dim)``.
 
     ``variant``: ``"onehot"`` (``kernels/_rvq_onehot.py``: histogram by one-hot products,
-    two launches), ``"atomic"`` (this module: histogram by atomic adds, four launches) or
+    four launches), ``"atomic"`` (this module: histogram by atomic adds, four launches) or
     ``"auto"`` (:func:`choose_variant`); ``None`` means ``DEFAULT_VARIANT``. Problems the
     one-hot kernel cannot hold (value histograms above its register budget) run the atomic one.
     """

@@ -101,6 +101,16 @@ def test_several_position_blocks_per_split(q_heads, kv_heads):
     check(case, num_splits=1)
 
 
+def test_sixteen_heads_per_program():
+    # one value stage: a program holds all 16 heads of the group, no padding rows
+    from kernels._rvq_onehot import plan_for
+
+    case = make_case(q_heads=16, kv_heads=1, value_stages=1, archived=90,
+                     archived_lengths=[90, 41])
+    assert plan_for(validate_decode_args(**case)).block_g == 16
+    check(case, num_splits=3)
+
+
 @pytest.mark.parametrize("key_stages", [2, 4])
 def test_both_score_table_layouts(key_stages):
     # the default layout depends on the key stages: run each layout at each count

@@ -81,27 +81,39 @@ def test_bad_prefetch_is_refused():
         _rvq_onehot.decode(problem, prefetch=-1)
 
 
-@pytest.mark.parametrize("programs,capacity,slots,expected", [
-    (1, 10**6, 396, 391),  # one program per split: one wave, 391 of 396 slots (whole blocks)
-    (396, 10**6, 396, 1),  # the sequences alone fill a wave
-    (256, 131036, 396, 3),  # 2 splits would leave a second wave 29% full
-    (64, 131036, 396, 6),  # 384 archive programs: one wave, not 5 splits' 320
-    (8, 32732, 396, 32),  # capped by the 1024-position minimum
+# the H200's best counts, measured on Qwen3-8B shapes (132 multiprocessors, 3 resident programs)
+@pytest.mark.parametrize("programs,capacity,expected", [
+    (8, 32732, 32),  # batch 1, 32K: two programs per multiprocessor beat three shorter ones
+    (8, 131036, 49),  # batch 1, 128K: three per multiprocessor, one round
+    (8, 4092, 16),  # batch 1, 4K: capped by the 256-position minimum
+    (64, 131036, 6),  # batch 8: 384 programs, one round of three (3 splits: 1.47x slower)
+    (256, 131036, 3),  # batch 32: two rounds of three, no lone program left over
+    (396, 10**6, 1),  # the sequences alone fill every slot
 ])
-def test_split_count_fills_whole_waves(programs, capacity, slots, expected):
+def test_split_count_follows_the_measured_best(programs, capacity, expected):
     from kernels._rvq_onehot import _best_splits
 
-    assert _best_splits(programs, capacity, slots, 128) == expected
+    assert _best_splits(programs, capacity, 132, 3, 128) == expected
+
+
+def test_lone_programs_cost_more_per_position():
+    from kernels._rvq_onehot import LOAD_SLOWDOWN, _rounds_cost
+
+    assert _rounds_cost(1, 3) == LOAD_SLOWDOWN[1] > 1
+    assert _rounds_cost(3, 3) == 3 and _rounds_cost(6, 3) == 6
+    assert _rounds_cost(4, 3) == 3 + LOAD_SLOWDOWN[1]  # a round of three, then one alone
+    assert _rounds_cost(5, 3) == 3 + 2 * LOAD_SLOWDOWN[2]
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(programs=st.integers(1, 4096), capacity=st.integers(1, 1 << 21),
-       slots=st.integers(1, 2048), block_n=st.sampled_from([16, 64, 128]))
-def test_split_count_is_what_the_kernel_runs(programs, capacity, slots, block_n):
+       sms=st.integers(1, 256), resident=st.integers(1, 4),
+       block_n=st.sampled_from([16, 64, 128]))
+def test_split_count_is_what_the_kernel_runs(programs, capacity, sms, resident, block_n):
     from kernels._rvq_onehot import MAX_SPLITS, MIN_SPLIT_LEN, _best_splits
     from kernels._rvq_triton import split_layout
 
-    splits = _best_splits(programs, capacity, slots, block_n)
+    splits = _best_splits(programs, capacity, sms, resident, block_n)
     assert 1 <= splits <= MAX_SPLITS
     assert splits <= max(1, -(-capacity // MIN_SPLIT_LEN))
     # decode rounds split lengths to whole blocks: the chosen count survives that unchanged
@@ -120,7 +132,20 @@ def test_choose_num_splits_uses_resident_programs():
     block_n = plan_for(problem).block_n
     for warps in (4, 8):  # the CPU stands in for 4 multiprocessors
         assert choose_num_splits(problem, warps) == _best_splits(
-            2 * 2, 5000, resident_programs(warps) * 4, block_n)
+            2 * 2, 5000, 4, resident_programs(warps), block_n)
+
+
+def test_centroid_block_fills_the_multiprocessors():
+    from kernels_cases import make_case
+
+    from kernels._rvq_onehot import _block_c, plan_for
+    from kernels._validate import validate_decode_args
+
+    # the CPU stands in for 4 multiprocessors: 1 x 1 x 2 stages x 1 block of 64 < 4
+    small = validate_decode_args(**make_case(batch=1, q_heads=2, kv_heads=1, archived=10))
+    assert _block_c(small, plan_for(small)) == 32
+    wide = validate_decode_args(**make_case(batch=2, q_heads=4, kv_heads=2, archived=10))
+    assert _block_c(wide, plan_for(wide)) == 64
 
 
 def test_score_table_layout_follows_key_stages():
