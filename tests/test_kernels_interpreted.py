@@ -101,6 +101,20 @@ def test_several_position_blocks_per_split(q_heads, kv_heads):
     check(case, num_splits=1)
 
 
+def test_merge_of_more_splits_than_one_step():
+    # the value merge reads 16 splits per step: 40 splits (and 19 for the shorter sequence)
+    # take three steps and a partial one
+    from kernels import _rvq_onehot
+    from kernels._rvq_triton import split_layout
+
+    case = make_case(q_heads=4, kv_heads=2, archived=640, archived_lengths=[640, 300])
+    problem = validate_decode_args(**case)
+    assert split_layout(640, 40, 16) == (16, 40)
+    out = _rvq_onehot.decode(problem, num_splits=40, block_n=16)
+    _assert_close(out, reference_decode_attention(**case, out_dtype=torch.float32),
+                  case["query"].dtype)
+
+
 def test_sixteen_heads_per_program():
     # one value stage: a program holds all 16 heads of the group, no padding rows
     from kernels._rvq_onehot import plan_for
