@@ -56,7 +56,7 @@ from kernels._validate import MAX_SPLITS, DecodeProblem, check_num_splits
 MIN_CODEBOOK = 256  # codebooks are padded to at least 16 x 16 (tl.dot needs 16 rows and columns)
 MAX_ACC = 4096  # float32 histogram entries per program (registers)
 MAX_OPERAND = 8192  # entries of either one-hot operand per block (16 KB of shared memory)
-MAX_SCRATCH_BYTES = 256 << 20  # the split programs' value histograms
+MAX_SCRATCH_BYTES = 256 << 20  # score tables and the split programs' value histograms
 # H200, Qwen3-8B shapes: the centroid-major table was up to 4% faster with 4 key stages (batch
 # 8 and 32) and 1-2% slower with 2 (docs/kernels.md)
 CENTROID_MAJOR_STAGES = 4
@@ -440,13 +440,15 @@ def _identity(size: int, device: torch.device) -> torch.Tensor:
 def supports(problem: DecodeProblem, num_splits: int | None = None,
              num_warps: int = 4) -> bool:
     """Whether the one-hot kernel handles this problem (a histogram fits a program, and the
-    split programs' histograms fit ``MAX_SCRATCH_BYTES``)."""
+    score tables and the split programs' histograms fit ``MAX_SCRATCH_BYTES``)."""
     plan = plan_for(problem)
     if not plan.supported:
         return False
     splits = num_splits or choose_num_splits(problem, num_warps)
-    programs = splits * problem.batch * problem.kv_heads * _chunks(problem, plan)
-    return programs * plan.hist_floats * 4 <= MAX_SCRATCH_BYTES
+    bhg = problem.batch * problem.kv_heads * _chunks(problem, plan)
+    floats = bhg * (plan.table_floats(problem.key_codebooks.shape[1])
+                    + splits * plan.hist_floats)
+    return floats * 4 <= MAX_SCRATCH_BYTES
 
 
 def _chunks(problem: DecodeProblem, plan: Plan) -> int:

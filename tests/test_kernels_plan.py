@@ -171,6 +171,25 @@ def test_triton_backend_on_cpu_tensors_needs_the_interpreter():
         rvq_decode_attention(**make_case(), backend="triton")
 
 
+def test_one_hot_kernel_bounds_its_score_tables():
+    # 8 key stages of 32,768 centroids: a 4 MB table per (sequence, kv head); 40 sequences
+    # would need 320 MB of scratch, so the one-hot kernel declines (the atomic one runs)
+    import torch
+    from kernels_cases import make_case
+
+    from kernels._rvq_onehot import supports
+    from kernels._validate import validate_decode_args
+
+    def case(batch):
+        c = make_case(batch=batch, q_heads=8, kv_heads=2, head_dim=16, archived=4,
+                      code_dtype=torch.int16)
+        c["key_codebooks"] = torch.randn(2, 8, 32768, 16).half()
+        c["key_codes"] = torch.randint(0, 32768, (batch, 2, 4, 8), dtype=torch.int16)
+        return validate_decode_args(**c)
+
+    assert supports(case(2)) and not supports(case(40))
+
+
 def test_kernels_take_histograms_up_to_the_atomic_limit():
     import torch
     from kernels_cases import make_case
