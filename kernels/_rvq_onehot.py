@@ -45,6 +45,7 @@ from kernels._rvq_triton import (
     LOG2E,
     NEG_BIG,
     _exact_segment,
+    _head_base,
     _launchable,
     _pow2,
     _program_heads,
@@ -147,9 +148,11 @@ def _table_kernel(q_ptr, kcb_ptr, tab_ptr, smax_ptr, qk_scale, q_sb, q_sh,
     """``BLOCK_C`` centroids of one key stage of a (batch, kv head, chunk)'s score table
     ``q . C_k[stage, c] * scale * log2(e)``, shared by all its splits, and their best score per
     head (``smax[bhg, stage, block, g]``)."""
-    pid_bhg = tl.program_id(0)
-    s = tl.program_id(1) // TABLE_BLOCKS
-    block = tl.program_id(1) % TABLE_BLOCKS
+    pid = tl.program_id(0)  # one axis: (bhg, stage, block) can pass the other axes' 65,535
+    pid_bhg = pid // (KEY_STAGES * TABLE_BLOCKS)
+    stage_block = pid % (KEY_STAGES * TABLE_BLOCKS)
+    s = stage_block // TABLE_BLOCKS
+    block = stage_block % TABLE_BLOCKS
     b, kvh, _, _, row_ok, heads_row = _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
                                                      BLOCK_G, BLOCK_M)
     row = tl.arange(0, BLOCK_M)
@@ -171,8 +174,7 @@ def _table_kernel(q_ptr, kcb_ptr, tab_ptr, smax_ptr, qk_scale, q_sb, q_sh,
                                 CENTROID_MAJOR),
              t, mask=(row[:, None] < BLOCK_G) & c_ok[None, :])
     top = tl.max(tl.where(c_ok[None, :], t, float("-inf")), axis=1)
-    tl.store(smax_ptr + (pid_bhg * KEY_STAGES * TABLE_BLOCKS + tl.program_id(1)) * BLOCK_G + row,
-             top, mask=row < BLOCK_G)
+    tl.store(smax_ptr + pid.to(tl.int64) * BLOCK_G + row, top, mask=row < BLOCK_G)
 
 
 @triton.jit
@@ -228,8 +230,8 @@ def _split_kernel(q_ptr, kc_ptr, vc_ptr, alen_ptr,
             tab = tab_ptr + pid_bhg.to(tl.int64) * (KEY_STAGES * BLOCK_G * KEY_CODEBOOK_P)
             g = tl.arange(0, BLOCK_G)
             g_ok = chunk * BLOCK_G + g < GROUP
-            kc_base = kc_ptr + b * kc_sb + kvh * kc_sh
-            vc_base = vc_ptr + b * vc_sb + kvh * vc_sh
+            kc_base = _head_base(kc_ptr, b, kvh, kc_sb, kc_sh)
+            vc_base = _head_base(vc_ptr, b, kvh, vc_sb, vc_sh)
             # a fixed softmax reference instead of a running maximum: no per-block reductions
             # or rescaling. The largest score any position could reach is the sum over stages
             # of the table's row maxima; weights are at most 2^REF_HEADROOM in float16.
@@ -445,6 +447,8 @@ def supports(problem: DecodeProblem, num_splits: int | None = None,
     if not plan.supported:
         return False
     splits = num_splits or choose_num_splits(problem, num_warps)
+    # the count decode runs: split lengths are whole blocks, no split left empty
+    splits = split_layout(problem.key_codes.shape[2], splits, plan.block_n)[1]
     bhg = problem.batch * problem.kv_heads * _chunks(problem, plan)
     floats = bhg * (plan.table_floats(problem.key_codebooks.shape[1])
                     + splits * plan.hist_floats)
@@ -480,10 +484,12 @@ def resident_programs(num_warps: int = 4) -> int:
 
 
 def _rounds_cost(load: int, resident: int) -> float:
-    """Time of ``load`` programs on one multiprocessor, in program lengths: full rounds of
-    ``resident`` programs, then the rest, slowed down if few (``LOAD_SLOWDOWN``)."""
-    rest = load % resident if load > resident else load
-    return load - rest + rest * LOAD_SLOWDOWN.get(rest, 1.0)
+    """Time of ``load`` programs on one multiprocessor, in program lengths: rounds of
+    ``resident`` programs, then the rest, each round slowed down if it holds few programs
+    (``LOAD_SLOWDOWN``)."""
+    full, rest = divmod(load, resident)
+    return (full * resident * LOAD_SLOWDOWN.get(resident, 1.0)
+            + rest * LOAD_SLOWDOWN.get(rest, 1.0))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -595,7 +601,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
                                                  p.recent_values))
     kcb, vcb = p.key_codebooks, p.value_codebooks
     heads = dict(BLOCK_G=plan.block_g, BLOCK_M=max(16, plan.block_g), BLOCK_D=block_d)
-    _table_kernel[(bhg, key_stages * table_blocks)](
+    _table_kernel[(bhg * key_stages * table_blocks,)](
         p.query, kcb, tab, smax, qk_scale, p.query.stride(0), p.query.stride(1),
         *kcb.stride()[:3], kv_heads, group, chunks, head_dim, key_codebook, table_blocks,
         KEY_STAGES=key_stages, KEY_CODEBOOK_P=plan.key_codebook_p, BLOCK_C=block_c,

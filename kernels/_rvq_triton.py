@@ -61,6 +61,13 @@ def _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS, BLOCK_G: tl.constexpr
 
 
 @triton.jit
+def _head_base(ptr, b, kvh, sb, sh):
+    """``ptr`` advanced to sequence ``b``, kv head ``kvh``, in 64-bit arithmetic (a code tensor
+    can pass 2^31 elements: 4 key stages at 128K positions, batch 512, Qwen3-8B shapes)."""
+    return ptr + b.to(tl.int64) * sb + kvh.to(tl.int64) * sh
+
+
+@triton.jit
 def _exact_segment(q, k_base, v_base, n_tokens, m, l, acc, k_sn, v_sn, d, d_ok, qk_scale,
                    BLOCK_E: tl.constexpr):
     """Online softmax of ``q`` (float32, rows of heads) over ``n_tokens`` exact keys and values,
@@ -146,7 +153,7 @@ def _split_max_kernel(table_ptr, kc_ptr, alen_ptr, mx_ptr, hist_ptr, l_ptr,
     start = split * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, n_archived)
     table_rows = table_ptr + b * t_sb + heads[:, None] * t_sh
-    kc_base = kc_ptr + b * kc_sb + kvh * kc_sh
+    kc_base = _head_base(kc_ptr, b, kvh, kc_sb, kc_sh)
     m = tl.full([BLOCK_G, BLOCK_N], NEG_BIG, tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -180,8 +187,8 @@ def _value_histogram_kernel(table_ptr, kc_ptr, vc_ptr, alen_ptr, mx_ptr, hist_pt
                         mask=g_ok[:, None] & (splits[None, :] < NUM_SPLITS), other=NEG_BIG)
         m = tl.max(m_all, axis=1)
         table_rows = table_ptr + b * t_sb + heads[:, None] * t_sh
-        kc_base = kc_ptr + b * kc_sb + kvh * kc_sh
-        vc_base = vc_ptr + b * vc_sb + kvh * vc_sh
+        kc_base = _head_base(kc_ptr, b, kvh, kc_sb, kc_sh)
+        vc_base = _head_base(vc_ptr, b, kvh, vc_sb, vc_sh)
         # splits spread over a few histogram copies: fewer atomics meet at one address
         hist_rows = hist_ptr + b * h_sb + heads[:, None] * h_sh + (split % REPLICAS) * COLUMNS
         l = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)

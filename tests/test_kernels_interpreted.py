@@ -102,8 +102,8 @@ def test_several_position_blocks_per_split(q_heads, kv_heads):
 
 
 def test_merge_of_more_splits_than_one_step():
-    # the value merge reads 16 splits per step: 40 splits (and 19 for the shorter sequence)
-    # take three steps and a partial one
+    # the value merge reads 16 splits per step here: 40 splits take two full steps and a
+    # partial one (19 for the shorter sequence: one and a partial one)
     from kernels import _rvq_onehot
     from kernels._rvq_triton import split_layout
 

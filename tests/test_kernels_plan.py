@@ -103,6 +103,7 @@ def test_lone_programs_cost_more_per_position():
     assert _rounds_cost(3, 3) == 3 and _rounds_cost(6, 3) == 6
     assert _rounds_cost(4, 3) == 3 + LOAD_SLOWDOWN[1]  # a round of three, then one alone
     assert _rounds_cost(5, 3) == 3 + 2 * LOAD_SLOWDOWN[2]
+    assert _rounds_cost(2, 1) == 2 * LOAD_SLOWDOWN[1]  # with one resident, every round alone
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
