@@ -43,6 +43,7 @@ import triton.language as tl
 
 from kernels._rvq_triton import (
     LOG2E,
+    MAX_GRID_Y,
     NEG_BIG,
     _exact_segment,
     _head_base,
@@ -441,8 +442,9 @@ def _identity(size: int, device: torch.device) -> torch.Tensor:
 
 def supports(problem: DecodeProblem, num_splits: int | None = None,
              num_warps: int = 4) -> bool:
-    """Whether the one-hot kernel handles this problem (a histogram fits a program, and the
-    score tables and the split programs' histograms fit ``MAX_SCRATCH_BYTES``)."""
+    """Whether the one-hot kernel handles this problem (a histogram fits a program, the score
+    tables and the split programs' histograms fit ``MAX_SCRATCH_BYTES``, and the (batch, kv
+    head, chunk) programs fit a grid axis)."""
     plan = plan_for(problem)
     if not plan.supported:
         return False
@@ -452,7 +454,7 @@ def supports(problem: DecodeProblem, num_splits: int | None = None,
     bhg = problem.batch * problem.kv_heads * _chunks(problem, plan)
     floats = bhg * (plan.table_floats(problem.key_codebooks.shape[1])
                     + splits * plan.hist_floats)
-    return floats * 4 <= MAX_SCRATCH_BYTES
+    return floats * 4 <= MAX_SCRATCH_BYTES and bhg <= MAX_GRID_Y
 
 
 def _chunks(problem: DecodeProblem, plan: Plan) -> int:

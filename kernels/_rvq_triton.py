@@ -42,6 +42,7 @@ MAX_HEADS_PER_PROGRAM = 16  # query heads of one GQA group handled together (the
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(NEG_BIG - NEG_BIG) stays 1
 MAX_HISTOGRAM_COLUMNS = 1 << 16  # value stages x codebook size (padded to a power of two)
 MAX_REPLICAS = 8  # copies of each head's histogram that the splits share out
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis: (batch, kv head, chunk) programs
 
 
 @triton.jit
@@ -303,9 +304,17 @@ def histogram_columns(value_stages: int, value_codebook_size: int) -> int:
 
 def supports(problem: DecodeProblem) -> bool:
     """Whether a kernel variant takes this problem: the atomic kernel takes every problem
-    whose value histogram fits ``MAX_HISTOGRAM_COLUMNS``, the one-hot kernel a subset."""
+    whose value histogram fits ``MAX_HISTOGRAM_COLUMNS`` and whose (batch, kv head, chunk)
+    programs fit ``MAX_GRID_Y``; the one-hot kernel a subset."""
     _, stages, size, _ = problem.value_codebooks.shape
-    return histogram_columns(stages, size) <= MAX_HISTOGRAM_COLUMNS
+    return (histogram_columns(stages, size) <= MAX_HISTOGRAM_COLUMNS
+            and _grid_rows(problem) <= MAX_GRID_Y)
+
+
+def _grid_rows(problem: DecodeProblem) -> int:
+    """(batch, kv head, head chunk) programs of the atomic kernel."""
+    group = problem.q_heads // problem.kv_heads
+    return problem.batch * problem.kv_heads * math.ceil(group / heads_per_program(group))
 
 
 def heads_per_program(group: int) -> int:
@@ -373,11 +382,16 @@ def decode_atomic(problem: DecodeProblem, *, num_splits: int | None = None,
     key_stages, key_codebook = p.key_codebooks.shape[1:3]
     value_stages, value_codebook = p.value_codebooks.shape[1:3]
     columns = histogram_columns(value_stages, value_codebook)
-    if not supports(p):
+    if columns > MAX_HISTOGRAM_COLUMNS:
         raise ValueError(
             f"the value histogram would have {columns} "
             f"columns per head (value_codebooks {tuple(p.value_codebooks.shape)}); at most "
             f"{MAX_HISTOGRAM_COLUMNS} are supported")
+    if _grid_rows(p) > MAX_GRID_Y:
+        raise ValueError(
+            f"batch x kv_heads x head chunks is {_grid_rows(p)} programs (batch {batch}, "
+            f"kv_heads {kv_heads}); a CUDA grid axis holds at most {MAX_GRID_Y}: split the "
+            f"batch")
     if num_splits is None:
         num_splits = choose_num_splits(p)
     check_num_splits(num_splits)

@@ -191,6 +191,25 @@ def test_one_hot_kernel_bounds_its_score_tables():
     assert supports(case(2)) and not supports(case(40))
 
 
+def test_programs_beyond_a_grid_axis_are_refused_not_launched():
+    # (batch, kv head, chunk) programs share a CUDA grid axis of at most 65,535
+    from kernels_cases import make_case
+
+    from kernels import _rvq_triton, _rvq_onehot
+    from kernels._validate import validate_decode_args
+
+    def case(batch):
+        return validate_decode_args(**make_case(batch=batch, q_heads=1, kv_heads=1, head_dim=8,
+                                                archived=1, key_stages=1, value_stages=1,
+                                                sinks=None, recent=None))
+
+    assert _rvq_triton.supports(case(_rvq_triton.MAX_GRID_Y))
+    too_many = case(_rvq_triton.MAX_GRID_Y + 1)
+    assert not _rvq_triton.supports(too_many) and not _rvq_onehot.supports(too_many)
+    with pytest.raises(ValueError, match="batch x kv_heads x head chunks is 65536 programs"):
+        _rvq_triton.decode(too_many)
+
+
 def test_kernels_take_histograms_up_to_the_atomic_limit():
     import torch
     from kernels_cases import make_case
