@@ -45,12 +45,13 @@ from kernels._rvq_triton import (
     LOG2E,
     MAX_GRID_Y,
     NEG_BIG,
-    _exact_segment,
+    _exact_tokens,
     _head_base,
     _launchable,
     _pow2,
     _program_heads,
     interpreted,
+    multiprocessors,
     split_layout,
 )
 from kernels._validate import MAX_SPLITS, DecodeProblem, check_num_splits
@@ -203,19 +204,10 @@ def _split_kernel(q_ptr, kc_ptr, vc_ptr, alen_ptr,
                                                          GROUP_CHUNKS, BLOCK_G, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
-        q = tl.load(q_ptr + b * q_sb + heads_row[:, None] * q_sh + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        m_out = tl.full([BLOCK_M], NEG_BIG, tl.float32)
-        l_out = tl.zeros([BLOCK_M], tl.float32)
-        o_out = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        m_out, l_out, o_out = _exact_segment(
-            q, sk_ptr + b * sk_sb + kvh * sk_sh, sv_ptr + b * sv_sb + kvh * sv_sh,
-            tl.load(slen_ptr + b), m_out, l_out, o_out, sk_sn, sv_sn, d, d_ok, qk_scale,
-            BLOCK_E)
-        m_out, l_out, o_out = _exact_segment(
-            q, rk_ptr + b * rk_sb + kvh * rk_sh, rv_ptr + b * rv_sb + kvh * rv_sh,
-            tl.load(rlen_ptr + b), m_out, l_out, o_out, rk_sn, rv_sn, d, d_ok, qk_scale,
-            BLOCK_E)
+        m_out, l_out, o_out = _exact_tokens(
+            q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, b, kvh, heads_row,
+            row_ok, d, d_ok, qk_scale, q_sb, q_sh, sk_sb, sk_sh, sk_sn, sv_sb, sv_sh, sv_sn,
+            rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn, BLOCK_M, BLOCK_D, BLOCK_E)
         base = b * ml_sb + heads_row * ml_sh + EXACT_PART * ml_sp
         tl.store(ml_ptr + base, m_out, mask=row_ok)
         tl.store(ml_ptr + base + 1, l_out, mask=row_ok)
@@ -472,13 +464,6 @@ LOAD_SLOWDOWN = {1: 1.8, 2: 1.1}
 PREFETCH_STEPS = 2  # blocks ahead whose codes are requested into L2
 
 
-def _multiprocessors(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device; the CPU (Triton's interpreter) stands in for 4."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def resident_programs(num_warps: int = 4) -> int:
     """Programs of ``num_warps`` warps a multiprocessor holds at once (64K registers, each
     thread capped at ``MAX_REGISTERS``; at least 1)."""
@@ -524,7 +509,7 @@ def choose_num_splits(problem: DecodeProblem, num_warps: int = 4) -> int:
         return 1
     plan = plan_for(problem)
     programs = problem.batch * problem.kv_heads * _chunks(problem, plan)
-    return _best_splits(programs, capacity, _multiprocessors(problem.query.device),
+    return _best_splits(programs, capacity, multiprocessors(problem.query.device),
                         resident_programs(num_warps), plan.block_n)
 
 
@@ -533,7 +518,7 @@ def _block_c(problem: DecodeProblem, plan: Plan) -> int:
     multiprocessors idle (batch 1; H200: 1.07x to 1.15x faster there, 1-2% slower at batch 8)."""
     pieces = (problem.batch * problem.kv_heads * _chunks(problem, plan)
               * problem.value_codebooks.shape[1] * math.ceil(problem.value_codebooks.shape[2] / 64))
-    return 32 if pieces < _multiprocessors(problem.query.device) else 64
+    return 32 if pieces < multiprocessors(problem.query.device) else 64
 
 
 def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,

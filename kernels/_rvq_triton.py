@@ -69,6 +69,27 @@ def _head_base(ptr, b, kvh, sb, sh):
 
 
 @triton.jit
+def _exact_tokens(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, b, kvh, heads,
+                  ok, d, d_ok, qk_scale, q_sb, q_sh, sk_sb, sk_sh, sk_sn, sv_sb, sv_sh, sv_sn,
+                  rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn, BLOCK_M: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Online softmax of query heads ``heads`` (rows where ``ok``) of sequence ``b`` over the
+    exact sink and recent tokens of kv head ``kvh``: ``(m, l, acc)`` as in
+    :func:`_exact_segment`, ``BLOCK_M`` rows."""
+    q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
+                mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m, l, acc = _exact_segment(q, sk_ptr + b * sk_sb + kvh * sk_sh,
+                               sv_ptr + b * sv_sb + kvh * sv_sh, tl.load(slen_ptr + b),
+                               m, l, acc, sk_sn, sv_sn, d, d_ok, qk_scale, BLOCK_E)
+    return _exact_segment(q, rk_ptr + b * rk_sb + kvh * rk_sh,
+                          rv_ptr + b * rv_sb + kvh * rv_sh, tl.load(rlen_ptr + b),
+                          m, l, acc, rk_sn, rv_sn, d, d_ok, qk_scale, BLOCK_E)
+
+
+@triton.jit
 def _exact_segment(q, k_base, v_base, n_tokens, m, l, acc, k_sn, v_sn, d, d_ok, qk_scale,
                    BLOCK_E: tl.constexpr):
     """Online softmax of ``q`` (float32, rows of heads) over ``n_tokens`` exact keys and values,
@@ -230,18 +251,10 @@ def _exact_and_combine_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, r
                                                BLOCK_G, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-
-    q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    m, l, acc = _exact_segment(q, sk_ptr + b * sk_sb + kvh * sk_sh,
-                               sv_ptr + b * sv_sb + kvh * sv_sh, tl.load(slen_ptr + b),
-                               m, l, acc, sk_sn, sv_sn, d, d_ok, qk_scale, BLOCK_E)
-    m, l, acc = _exact_segment(q, rk_ptr + b * rk_sb + kvh * rk_sh,
-                               rv_ptr + b * rv_sb + kvh * rv_sh, tl.load(rlen_ptr + b),
-                               m, l, acc, rk_sn, rv_sn, d, d_ok, qk_scale, BLOCK_E)
+    m, l, acc = _exact_tokens(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr,
+                              b, kvh, heads, g_ok, d, d_ok, qk_scale, q_sb, q_sh,
+                              sk_sb, sk_sh, sk_sn, sv_sb, sv_sh, sv_sn,
+                              rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn, BLOCK_M, BLOCK_D, BLOCK_E)
 
     # the archived part: its reference maximum, weight sum and histogram
     splits = tl.arange(0, BLOCK_S)
@@ -332,14 +345,15 @@ def choose_num_splits(problem: DecodeProblem) -> int:
     if capacity == 0:
         return 1
     group = problem.q_heads // problem.kv_heads
-    chunks = math.ceil(group / heads_per_program(group))
-    programs = problem.batch * problem.kv_heads * chunks
-    if problem.query.is_cuda:
-        sms = torch.cuda.get_device_properties(problem.query.device).multi_processor_count
-    else:
-        sms = 4
-    wanted = math.ceil(8 * sms / programs)
+    wanted = math.ceil(8 * multiprocessors(problem.query.device) / _grid_rows(problem))
     return max(1, min(wanted, math.ceil(capacity / block_positions(group)), 1024))
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; the CPU (Triton's interpreter) stands in for 4."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
 
 
 DEFAULT_VARIANT = "auto"  # choose_variant per problem

@@ -195,7 +195,7 @@ def test_programs_beyond_a_grid_axis_are_refused_not_launched():
     # (batch, kv head, chunk) programs share a CUDA grid axis of at most 65,535
     from kernels_cases import make_case
 
-    from kernels import _rvq_triton, _rvq_onehot
+    from kernels import _rvq_onehot, _rvq_triton
     from kernels._validate import validate_decode_args
 
     def case(batch):
