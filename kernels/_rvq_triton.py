@@ -27,6 +27,7 @@ position and stage instead of reading a ``head_dim`` vector.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -349,8 +350,10 @@ def choose_num_splits(problem: DecodeProblem) -> int:
     return max(1, min(wanted, math.ceil(capacity / block_positions(group)), 1024))
 
 
+@functools.lru_cache(maxsize=16)
 def multiprocessors(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device; the CPU (Triton's interpreter) stands in for 4."""
+    """Multiprocessors of a CUDA device (asked once per device: a decode call needs it up to
+    three times); the CPU (Triton's interpreter) stands in for 4."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
