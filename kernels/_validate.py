@@ -74,9 +74,16 @@ def _expect_dim(name: str, t: torch.Tensor, axis: int, expected: int, what: str)
         )
 
 
-def _lengths(name: str, value, batch: int, full: int, device: torch.device) -> torch.Tensor:
+def _lengths(name: str, value, batch: int, full: int, device: torch.device,
+             check: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-sequence lengths as int32 on ``device``, and their values on the host where they are
+    known without a device sync (``None`` for device lengths left unchecked).
+
+    Defaults, lists and CPU tensors are checked on the host; lengths already on a GPU are read
+    back once to be checked, unless ``check`` is false (then nothing waits for the GPU)."""
     if value is None:
-        return torch.full((batch,), full, dtype=torch.int32, device=device)
+        host = torch.full((batch,), full, dtype=torch.int64)
+        return torch.full((batch,), full, dtype=torch.int32, device=device), host
     if isinstance(value, (list, tuple)):
         try:  # ints only: a float would be truncated silently
             value = torch.tensor([operator.index(v) for v in value], dtype=torch.int64)
@@ -90,11 +97,14 @@ def _lengths(name: str, value, batch: int, full: int, device: torch.device) -> t
     if tuple(value.shape) != (batch,):
         raise ValueError(f"{name} must have shape ({batch},) (one per sequence), got "
                          f"{tuple(value.shape)}")
-    low, high = int(value.min()), int(value.max())
-    if low < 0 or high > full:
-        raise ValueError(f"{name} must lie in [0, {full}] (the cache's capacity), got values "
-                         f"from {low} to {high}")
-    return value.to(device=device, dtype=torch.int32).contiguous()
+    host = None
+    if value.device.type == "cpu" or check:
+        host = value.to("cpu", torch.int64)  # one read-back for lengths on a GPU
+        low, high = int(host.min()), int(host.max())
+        if low < 0 or high > full:
+            raise ValueError(f"{name} must lie in [0, {full}] (the cache's capacity), got "
+                             f"values from {low} to {high}")
+    return value.to(device=device, dtype=torch.int32).contiguous(), host
 
 
 def _exact_pair(kind: str, keys, values, query: torch.Tensor, kv_heads: int):
@@ -137,7 +147,7 @@ def _codes(name: str, codes, codebooks: torch.Tensor, query: torch.Tensor, check
 def check_code_range(name: str, codes: torch.Tensor, codebook_size: int) -> None:
     """Raise ValueError unless every code lies in ``[0, codebook_size)`` (one reduction)."""
     if codes.numel():
-        low, high = int(codes.min()), int(codes.max())
+        low, high = torch.stack(torch.aminmax(codes)).tolist()  # one read-back
         if low < 0 or high >= codebook_size:
             raise ValueError(f"{name} holds codes from {low} to {high}; they must lie in "
                              f"[0, {codebook_size}) (the codebook size)")
@@ -186,8 +196,13 @@ def validate_decode_args(
     recent_lengths=None,
     scale=None,
     check_codes: bool = True,
+    check_lengths: bool = True,
 ) -> DecodeProblem:
-    """Check every argument of a decode-attention call and return them normalised."""
+    """Check every argument of a decode-attention call and return them normalised.
+
+    Nothing here waits for the GPU unless ``check_codes`` is true (the codes' range is read
+    back) or ``check_lengths`` is true and some lengths are GPU tensors (their values are read
+    back); without those, a call can be captured in a CUDA graph."""
     _tensor("query", query, 3, ACTIVATION_DTYPES)
     batch, q_heads, head_dim = query.shape
     if batch < 1 or q_heads < 1 or head_dim < 1:
@@ -214,16 +229,20 @@ def validate_decode_args(
     recent_keys, recent_values = _exact_pair("recent", recent_keys, recent_values, query,
                                              kv_heads)
     device = query.device
-    sink_lengths = _lengths("sink_lengths", sink_lengths, batch, sink_keys.shape[2], device)
-    archived_lengths = _lengths("archived_lengths", archived_lengths, batch, key_codes.shape[2],
-                                device)
-    recent_lengths = _lengths("recent_lengths", recent_lengths, batch, recent_keys.shape[2],
-                              device)
-    total = sink_lengths.long() + archived_lengths.long() + recent_lengths.long()
-    if int(total.min()) < 1:
-        empty = [i for i, n in enumerate(total.tolist()) if n < 1]
-        raise ValueError(f"sequences {empty} have no cached position at all (sink, archived "
-                         "and recent lengths are all 0); attention over nothing is undefined")
+    sink_lengths, sink_host = _lengths("sink_lengths", sink_lengths, batch, sink_keys.shape[2],
+                                       device, check_lengths)
+    archived_lengths, archived_host = _lengths("archived_lengths", archived_lengths, batch,
+                                               key_codes.shape[2], device, check_lengths)
+    recent_lengths, recent_host = _lengths("recent_lengths", recent_lengths, batch,
+                                           recent_keys.shape[2], device, check_lengths)
+    hosts = (sink_host, archived_host, recent_host)
+    if all(h is not None for h in hosts):
+        total = sum(hosts)
+        if int(total.min()) < 1:
+            empty = [i for i, n in enumerate(total.tolist()) if n < 1]
+            raise ValueError(f"sequences {empty} have no cached position at all (sink, "
+                             "archived and recent lengths are all 0); attention over nothing "
+                             "is undefined")
     scale = _scale(scale, head_dim)
     return DecodeProblem(
         query=query.contiguous(),

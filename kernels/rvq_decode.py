@@ -39,6 +39,7 @@ def rvq_decode_attention(
     backend: str = "auto",
     num_splits: int | None = None,
     check_codes: bool = True,
+    check_lengths: bool = True,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over sinks, RVQ-coded archive and recents.
 
@@ -62,15 +63,24 @@ def rvq_decode_attention(
         sink_lengths: ``(batch,)`` valid sinks per sequence (default: all).
         recent_keys, recent_values: ``(batch, kv_heads, recent, head_dim)``, or both ``None``.
         recent_lengths: ``(batch,)`` valid recent tokens per sequence (default: all).
-        scale: softmax scale (default ``head_dim ** -0.5``).
+        scale: softmax scale (default ``head_dim ** -0.5``); a 0-d tensor is read back to
+            the host.
         backend: ``"triton"`` (the kernel; CUDA tensors, or CPU tensors under
             ``TRITON_INTERPRET=1``), ``"torch"`` (the dequantize-then-attend reference) or
             ``"auto"`` (triton for CUDA tensors when triton is installed and a kernel takes the
             problem, else torch).
         num_splits: sequence splits of the archived part, an int in [1, 1024] (Triton path;
             default: enough to fill the GPU).
-        check_codes: verify every code is below its codebook size (one reduction per call;
-            an out-of-range code would read outside the codebook).
+        check_codes: verify every code is below its codebook size (one reduction per call,
+            read back to the host; an out-of-range code would read outside the codebook).
+        check_lengths: verify lengths given as GPU tensors (read back to the host once per
+            call). Default lengths, lists and CPU tensors are always checked, on the host.
+            Unchecked, a length beyond its segment reads past it and a sequence with nothing
+            cached gives an undefined result.
+
+    With ``check_codes=False`` and no GPU lengths to check (or ``check_lengths=False``) the
+    call never waits for the GPU, so the host can run ahead of it, and the Triton path can be
+    captured in a CUDA graph (``tests/test_kernels_gpu.py`` does both).
 
     Returns:
         ``(batch, q_heads, head_dim)`` in the query's dtype.
@@ -87,7 +97,8 @@ def rvq_decode_attention(
         query, key_codes, value_codes, key_codebooks, value_codebooks,
         archived_lengths=archived_lengths, sink_keys=sink_keys, sink_values=sink_values,
         sink_lengths=sink_lengths, recent_keys=recent_keys, recent_values=recent_values,
-        recent_lengths=recent_lengths, scale=scale, check_codes=check_codes)
+        recent_lengths=recent_lengths, scale=scale, check_codes=check_codes,
+        check_lengths=check_lengths)
     if backend == "auto":
         backend = "triton" if query.is_cuda and triton_available() and _kernel_takes(problem) \
             else "torch"

@@ -73,3 +73,45 @@ def test_gpu_long_context_many_splits(variant):
     for splits in (None, 1, 700):
         out = run_variant(case, variant, splits)
         assert relative_error(out, ref) <= 1e-2, splits
+
+
+def _coded_case():
+    return make_case(batch=2, q_heads=32, kv_heads=8, head_dim=128, archived=5000,
+                     codebook_size=256, sinks=4, recent=32, device="cuda")
+
+
+def test_gpu_call_never_waits_for_the_gpu():
+    case = _coded_case()
+    lengths = torch.tensor([5000, 1234], device="cuda")
+    expected = rvq_decode_attention(**case, archived_lengths=lengths)  # checked: reads back
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        default = rvq_decode_attention(**case, check_codes=False)
+        ragged = rvq_decode_attention(**case, archived_lengths=lengths, check_codes=False,
+                                      check_lengths=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(ragged, expected, rtol=0, atol=0)
+    torch.testing.assert_close(default, rvq_decode_attention(**case), rtol=0, atol=0)
+
+
+def test_gpu_call_replays_from_a_cuda_graph():
+    case = _coded_case()
+
+    def call():
+        return rvq_decode_attention(**case, backend="triton", check_codes=False)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # compiles and fills caches outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for step in range(2):  # new query and cache contents, same tensors
+        case["query"].copy_(torch.randn_like(case["query"]))
+        case["value_codes"].copy_(torch.randint_like(case["value_codes"], 256))
+        graph.replay()
+        torch.testing.assert_close(out, call(), rtol=0, atol=0, msg=f"replay {step}")

@@ -118,6 +118,31 @@ def test_bad_arguments_raise_value_error(change, message):
         rvq_decode_attention(**case)
 
 
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_host_lengths_are_checked_even_with_check_lengths_off(as_tensor):
+    # check_lengths=False only spares a read-back of GPU lengths; host lengths cost nothing
+    def lengths(values):
+        return torch.tensor(values) if as_tensor else values
+
+    case = make_case()
+    with pytest.raises(ValueError, match="archived_lengths must lie in"):
+        rvq_decode_attention(**dict(case, archived_lengths=lengths([41, 0])),
+                             check_lengths=False)
+    empty = dict(case, archived_lengths=lengths([0, 3]), sink_lengths=lengths([0, 1]),
+                 recent_lengths=lengths([0, 1]))
+    with pytest.raises(ValueError, match=r"sequences \[0\] have no cached position"):
+        rvq_decode_attention(**empty, check_lengths=False)
+
+
+def test_lengths_as_list_and_tensor_agree():
+    case = make_case()
+    lengths = {"archived_lengths": [40, 7], "sink_lengths": [2, 0], "recent_lengths": [1, 3]}
+    from_lists = rvq_decode_attention(**case, **lengths)
+    from_tensors = rvq_decode_attention(
+        **case, **{k: torch.tensor(v, dtype=torch.int32) for k, v in lengths.items()})
+    torch.testing.assert_close(from_lists, from_tensors, rtol=0, atol=0)
+
+
 def test_out_of_range_code_is_reported():
     case = make_case(codebook_size=16)
     case["value_codes"][1, 0, 5, 1] = 16
