@@ -149,6 +149,24 @@ def test_centroid_block_fills_the_multiprocessors():
     assert _block_c(wide, plan_for(wide)) == 64
 
 
+@pytest.mark.parametrize("num_warps, value_stages_p, block_n, expected", [
+    (4, 2, 128, 2),  # the benchmark shapes: two value stages, four warps
+    (4, 1, 128, 4),
+    (4, 4, 128, 1),
+    (4, 8, 128, 1),  # more entries than warps already
+    (8, 2, 128, 4),
+    (4, 1, 32, 2),  # a run keeps the 16 positions a tensor-core product needs
+    (4, 1, 16, 1),
+])
+def test_position_parts_give_each_warp_a_batch_entry(num_warps, value_stages_p, block_n,
+                                                     expected):
+    from kernels._rvq_onehot import position_parts
+
+    parts = position_parts(num_warps, value_stages_p, block_n)
+    assert parts == expected
+    assert block_n // parts >= 16 and block_n % parts == 0
+
+
 def test_score_table_layout_follows_key_stages():
     from kernels._rvq_onehot import CENTROID_MAJOR_STAGES, Plan
 
