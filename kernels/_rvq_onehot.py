@@ -19,9 +19,9 @@ Four launches per call; only the split kernel's work grows with the context:
 
    is one batched matrix product per block (its positions cut in runs so that every warp
    computes its own batch entry, :func:`position_parts`). Both one-hot factors are rows of
-   an identity matrix read at the code, so per position and stage the kernel loads ``HI + LO`` entries
-   and multiplies ``heads * HI`` of them by the weights (instead of ``codebook_size``
-   comparisons). The program writes its histogram, reference and weight sum.
+   an identity matrix read at the code, so per position and stage the kernel loads
+   ``HI + LO`` entries and multiplies ``heads * HI`` of them by the weights (instead of
+   ``codebook_size`` comparisons). The program writes its histogram, reference and weight sum.
 3. ``_value_kernel``: one program per (batch, kv head, chunk, value stage, block of
    centroids) merges the splits' histograms against their common maximum and multiplies the
    merged block by the value codebook: a partial output (flash-decoding style).
