@@ -484,7 +484,7 @@ def position_parts(num_warps: int, value_stages_p: int, block_n: int) -> int:
 
     Triton 3.6 gives each warp of a batched ``tl.dot`` its own batch entry; with two value
     stages and four warps, two warps computed each product. Cutting the block in two took
-    the split launch from 1248 to 992 instructions per block on sm_90 and made calls 1.29x to
+    the split launch from 1248 to 984 instructions per block on sm_90 and made calls 1.29x to
     1.40x faster at batch 8 and 32 on the H200 (1.06x to 1.21x at batch 1;
     docs/kernels.md)."""
     parts = max(1, num_warps // value_stages_p)
