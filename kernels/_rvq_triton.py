@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels._validate import DecodeProblem, check_num_splits
+from kernels._validate import MAX_SPLITS, DecodeProblem, check_num_splits
 from kernels._variants import VARIANTS, variant_for
 
 LOG2E = 1.4426950408889634
@@ -347,7 +347,7 @@ def choose_num_splits(problem: DecodeProblem) -> int:
         return 1
     group = problem.q_heads // problem.kv_heads
     wanted = math.ceil(8 * multiprocessors(problem.query.device) / _grid_rows(problem))
-    return max(1, min(wanted, math.ceil(capacity / block_positions(group)), 1024))
+    return max(1, min(wanted, math.ceil(capacity / block_positions(group)), MAX_SPLITS))
 
 
 @functools.lru_cache(maxsize=16)
