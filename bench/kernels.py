@@ -514,12 +514,15 @@ def plot_speedup(data, figure, min_context=0):
     print(f"wrote {figure}")
 
 
-PROFILED = [("gpt2", (2, 2), 32768, 8), ("qwen3-8b", (2, 2), 32768, 8),
-            ("qwen3-8b", (4, 2), 32768, 1), ("qwen3-8b", (2, 2), 131072, 32)]
+PROFILED = [("qwen3-8b", (2, 2), 32768, 1), ("qwen3-8b", (2, 2), 131072, 1),
+            ("qwen3-8b", (2, 2), 32768, 8), ("qwen3-8b", (2, 2), 32768, 32),
+            ("qwen3-8b", (4, 2), 32768, 32), ("qwen3-8b", (2, 2), 131072, 32),
+            ("gpt2", (2, 2), 32768, 8)]
 
 
 def profile_launches(out_path):
-    """GPU time of each launch of the kernel (torch.profiler, mean of 10 calls)."""
+    """GPU time of each launch of both kernels: torch.profiler over 20 replays of a CUDA graph
+    of one call (us per call), beside the call's CUDA-graph median (``time_ms``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -532,23 +535,37 @@ def profile_launches(out_path):
         case = make_coded_case(SHAPES[name], stages, context, batch, device, torch.float16)
         problem = validate_decode_args(**case, check_codes=False)
         for variant in _rvq_triton.VARIANTS:
-            for _ in range(3):
-                _rvq_triton.decode(problem, variant=variant)
+            def call(problem=problem, variant=variant):
+                return _rvq_triton.decode(problem, variant=variant)
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):  # compile and warm up outside the capture
+                    call()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            for _ in range(5):
+                graph.replay()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
-                    _rvq_triton.decode(problem, variant=variant)
+                for _ in range(20):
+                    graph.replay()
                 torch.cuda.synchronize()
-            launches = {e.key: e.device_time_total / e.count for e in prof.key_averages()
+            launches = {e.key: e.device_time_total / 20 for e in prof.key_averages()
                         if e.key.endswith("_kernel") and e.count}
+            graph_us = time_ms(call, True) * 1000
             rows.append({"shape": name, "context": context, "batch": batch,
                          "key_stages": stages[0], "value_stages": stages[1],
-                         "variant": variant, "kernels_us": launches})
+                         "variant": variant, "kernels_us": launches, "graph_us": graph_us})
             print(variant, name, stages, context, batch,
-                  {k: round(v, 1) for k, v in launches.items()})
+                  {k: round(v, 1) for k, v in launches.items()}, f"graph {graph_us:.1f} us")
     data = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": torch.cuda.get_device_name(device),
-            "method": "torch.profiler CUDA time per call, mean of 10 calls after 3 warm-up calls",
+            "method": "torch.profiler CUDA time per call over 20 replays of a CUDA graph of one "
+                      "call; graph_us: do_bench_cudagraph median of the call",
             "results": rows}
     Path(out_path).write_text(json.dumps(data, indent=1))
 
