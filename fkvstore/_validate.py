@@ -65,7 +65,10 @@ def symbol_array(symbols, alphabet_size: int, *, ndim: tuple[int, ...] = (1, 2),
     if isinstance(symbols, (bytes, bytearray, memoryview)):
         arr = np.frombuffer(bytes(symbols), dtype=np.uint8)
     else:
-        from_python = not isinstance(symbols, np.ndarray)
+        # only Python sequences can hide bools and ints beyond int64 from numpy; arrays,
+        # tensors and lists of array rows keep the fast path (walking them costs 10^3-10^4x)
+        from_python = isinstance(symbols, (list, tuple)) and not all(
+            isinstance(row, np.ndarray) for row in symbols)
         try:
             arr = np.asarray(symbols)
         except (ValueError, TypeError) as exc:  # ragged nested sequences
