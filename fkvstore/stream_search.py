@@ -80,6 +80,7 @@ class SearchMixin:
         the next open restores it instead of recomputing it (needs a writable archive).
         Persisting commits this stream's buffered rows first: the stored index describes
         committed rows only."""
+        key_column = self._search_column(column)  # a bad column commits nothing
         if persist:
             self._check_open()
             self._ar._check_writable()
@@ -93,7 +94,7 @@ class SearchMixin:
                    "generation": c.generation, "rewinds": c.rewinds,
                    "codec": str(self.codec.config()), "tree_format": TREE_FORMAT}
             for name, array in index.state().items():
-                self.put_aux_array(_KEY.format(self._search_column(column), name), array, tag)
+                self.put_aux_array(_KEY.format(key_column, name), array, tag)
         return index
 
     # ------------------------------------------------------------------ internals

@@ -102,6 +102,15 @@ def test_wide_stream_columns_and_bad_input(tmp_path):
             s.context(500)
 
 
+def test_bad_column_of_a_persisted_index_commits_nothing(tmp_path):
+    with fkvstore.open(tmp_path / "c.h5", "w") as ar:
+        s = ar.create_stream("s", alphabet_size=5)
+        s.extend([1, 2, 3])
+        with pytest.raises(ValueError, match="column must be <= 0, got 5"):
+            s.build_index(column=5, persist=True)
+        assert s.committed_length == 0
+
+
 def test_persisted_index_describes_committed_rows_only(tmp_path):
     # an index persisted over buffered rows, which are then truncated and replaced without a
     # rewind of the committed stream, must not be restored over the new rows
