@@ -75,15 +75,15 @@ def _expect_dim(name: str, t: torch.Tensor, axis: int, expected: int, what: str)
 
 
 def _lengths(name: str, value, batch: int, full: int, device: torch.device,
-             check: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+             check: bool) -> tuple[torch.Tensor, int | torch.Tensor | None]:
     """Per-sequence lengths as int32 on ``device``, and their values on the host where they are
-    known without a device sync (``None`` for device lengths left unchecked).
+    known without a device sync: an int for the default (every sequence full), a CPU tensor,
+    or ``None`` for device lengths left unchecked.
 
     Defaults, lists and CPU tensors are checked on the host; lengths already on a GPU are read
-    back once to be checked, unless ``check`` is false (then nothing waits for the GPU)."""
+    back to be checked, unless ``check`` is false (then nothing waits for the GPU)."""
     if value is None:
-        host = torch.full((batch,), full, dtype=torch.int64)
-        return torch.full((batch,), full, dtype=torch.int32, device=device), host
+        return torch.full((batch,), full, dtype=torch.int32, device=device), full
     if isinstance(value, (list, tuple)):
         try:  # ints only: a float would be truncated silently
             value = torch.tensor([operator.index(v) for v in value], dtype=torch.int64)
@@ -201,8 +201,9 @@ def validate_decode_args(
     """Check every argument of a decode-attention call and return them normalised.
 
     Nothing here waits for the GPU unless ``check_codes`` is true (the codes' range is read
-    back) or ``check_lengths`` is true and some lengths are GPU tensors (their values are read
-    back); without those, a call can be captured in a CUDA graph."""
+    back), ``check_lengths`` is true and some lengths are GPU tensors (each is read back), or
+    ``scale`` is a GPU tensor (read back); without those, a call can be captured in a CUDA
+    graph."""
     _tensor("query", query, 3, ACTIVATION_DTYPES)
     batch, q_heads, head_dim = query.shape
     if batch < 1 or q_heads < 1 or head_dim < 1:
@@ -237,9 +238,10 @@ def validate_decode_args(
                                            recent_keys.shape[2], device, check_lengths)
     hosts = (sink_host, archived_host, recent_host)
     if all(h is not None for h in hosts):
-        total = sum(hosts)
-        if int(total.min()) < 1:
-            empty = [i for i, n in enumerate(total.tolist()) if n < 1]
+        total = sum(hosts)  # an int when every length is the default, else a CPU tensor
+        total = [total] * batch if isinstance(total, int) else total.tolist()
+        empty = [i for i, n in enumerate(total) if n < 1]
+        if empty:
             raise ValueError(f"sequences {empty} have no cached position at all (sink, "
                              "archived and recent lengths are all 0); attention over nothing "
                              "is undefined")

@@ -73,14 +73,15 @@ def rvq_decode_attention(
             default: enough to fill the GPU).
         check_codes: verify every code is below its codebook size (one reduction per call,
             read back to the host; an out-of-range code would read outside the codebook).
-        check_lengths: verify lengths given as GPU tensors (read back to the host once per
-            call). Default lengths, lists and CPU tensors are always checked, on the host.
+        check_lengths: verify lengths given as GPU tensors (each read back to the host).
+            Default lengths, lists and CPU tensors are always checked, on the host.
             Unchecked, a length beyond its segment reads past it and a sequence with nothing
             cached gives an undefined result.
 
-    With ``check_codes=False`` and no GPU lengths to check (or ``check_lengths=False``) the
-    call never waits for the GPU, so the host can run ahead of it, and the Triton path can be
-    captured in a CUDA graph (``tests/test_kernels_gpu.py`` does both).
+    With ``check_codes=False``, no GPU lengths to check (or ``check_lengths=False``) and a
+    ``scale`` that is not a GPU tensor, the call never waits for the GPU, so the host can run
+    ahead of it, and the Triton path can be captured in a CUDA graph
+    (``tests/test_kernels_gpu.py`` does both).
 
     Returns:
         ``(batch, q_heads, head_dim)`` in the query's dtype.
