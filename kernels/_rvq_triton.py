@@ -317,18 +317,28 @@ def histogram_columns(value_stages: int, value_codebook_size: int) -> int:
 
 
 def supports(problem: DecodeProblem) -> bool:
-    """Whether a kernel variant takes this problem: the atomic kernel takes every problem
-    whose value histogram fits ``MAX_HISTOGRAM_COLUMNS`` and whose (batch, kv head, chunk)
-    programs fit ``MAX_GRID_Y``; the one-hot kernel a subset."""
+    """Whether a kernel variant takes this problem (:func:`supports_shape`)."""
     _, stages, size, _ = problem.value_codebooks.shape
-    return (histogram_columns(stages, size) <= MAX_HISTOGRAM_COLUMNS
-            and _grid_rows(problem) <= MAX_GRID_Y)
+    return supports_shape(problem.batch, problem.q_heads, problem.kv_heads, stages, size)
+
+
+def supports_shape(batch: int, q_heads: int, kv_heads: int, value_stages: int,
+                   value_codebook: int) -> bool:
+    """Whether a kernel variant takes problems of these shapes: the atomic kernel takes every
+    one whose value histogram fits ``MAX_HISTOGRAM_COLUMNS`` and whose (batch, kv head, chunk)
+    programs fit ``MAX_GRID_Y``; the one-hot kernel a subset."""
+    return (histogram_columns(value_stages, value_codebook) <= MAX_HISTOGRAM_COLUMNS
+            and _rows(batch, q_heads, kv_heads) <= MAX_GRID_Y)
 
 
 def _grid_rows(problem: DecodeProblem) -> int:
     """(batch, kv head, head chunk) programs of the atomic kernel."""
-    group = problem.q_heads // problem.kv_heads
-    return problem.batch * problem.kv_heads * math.ceil(group / heads_per_program(group))
+    return _rows(problem.batch, problem.q_heads, problem.kv_heads)
+
+
+def _rows(batch: int, q_heads: int, kv_heads: int) -> int:
+    group = q_heads // kv_heads
+    return batch * kv_heads * math.ceil(group / heads_per_program(group))
 
 
 def heads_per_program(group: int) -> int:

@@ -7,8 +7,8 @@ attached (attribute :data:`LAYER_ATTR`), and the attention function registered h
 
 - one query token and no masked position (plain decoding), float16/bfloat16:
   :func:`kernels.rvq_decode_attention` when the layer's ``backend`` asks for it (``"triton"``;
-  ``"auto"`` for CUDA tensors with triton installed; ``"torch"``, the dequantizing reference,
-  for CUDA tensors); everything else, a CPU included, :func:`lookup_attention`, which works in
+  ``"auto"`` for CUDA tensors with triton installed and shapes a kernel takes; ``"torch"``,
+  the dequantizing reference, for CUDA tensors); everything else, a CPU included, :func:`lookup_attention`, which works in
   float32 on any device and reads a few bytes per archived position instead of decoding the
   archive (``docs/serving.md``, "Decode on a CPU");
 - one query token with masked positions (left-padded batches): :func:`lookup_attention`;
@@ -27,6 +27,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kernels._validate import CODE_DTYPE_LIMITS
+
 __all__ = [
     "CODES_ATTENTION",
     "LAYER_ATTR",
@@ -39,6 +41,8 @@ __all__ = [
 CODES_ATTENTION = "fkv_codes"
 LAYER_ATTR = "_fkv_codes_layer"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+# codebooks over 32,768 centroids get int32 codes, which only the look-ups read
+_KERNEL_CODE_DTYPES = frozenset(CODE_DTYPE_LIMITS)
 
 
 def lookup_attention(
@@ -113,15 +117,17 @@ def _kernel_path(backend: str, query: torch.Tensor, state) -> bool:
         return True
     if not query.is_cuda:
         return False
-    from kernels._validate import CODE_DTYPE_LIMITS
-
-    # codebooks over 32,768 centroids get int32 codes, which only the look-ups read
-    if not {state.key_codes.dtype, state.value_codes.dtype} <= set(CODE_DTYPE_LIMITS):
+    if not {state.key_codes.dtype, state.value_codes.dtype} <= _KERNEL_CODE_DTYPES:
         return False
-    if backend == "auto":
-        from kernels.rvq_decode import triton_available
+    if backend == "auto":  # the kernel if it takes these shapes, else the look-ups (never
+        from kernels.rvq_decode import triton_available  # the dequantizing reference)
 
-        return triton_available()
+        if not triton_available():
+            return False
+        from kernels._rvq_triton import supports_shape
+
+        kv_heads, stages, size = state.value_codebooks.shape[:3]
+        return supports_shape(query.shape[0], query.shape[1], kv_heads, stages, size)
     return True
 
 

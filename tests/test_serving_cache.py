@@ -140,11 +140,14 @@ def test_kernel_routing_rule():
 
     from model_adapters.codes_attention import _kernel_path
 
-    cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    shape = (1, 4, 1, 8)  # (batch, q_heads, query tokens, head_dim)
+    cuda = SimpleNamespace(is_cuda=True, shape=shape)
+    cpu = SimpleNamespace(is_cuda=False, shape=shape)
 
-    def state(dtype):
+    def state(dtype, value_stages=2, value_codebook=256):
         codes = torch.zeros(1, dtype=dtype)
-        return SimpleNamespace(key_codes=codes, value_codes=codes)
+        books = torch.zeros(2, value_stages, value_codebook, 8)
+        return SimpleNamespace(key_codes=codes, value_codes=codes, value_codebooks=books)
 
     assert _kernel_path("torch", cuda, state(torch.int16))
     assert not _kernel_path("torch", cpu, state(torch.uint8))
@@ -152,6 +155,13 @@ def test_kernel_routing_rule():
     assert not _kernel_path("torch", cuda, state(torch.int32))
     assert not _kernel_path("auto", cuda, state(torch.int32))
     assert _kernel_path("triton", cpu, state(torch.int32))  # asked for: the API explains
+    from kernels.rvq_decode import triton_available
+
+    if triton_available():
+        assert _kernel_path("auto", cuda, state(torch.int16))
+        # a value histogram the kernels cannot hold goes to the look-ups, not to the
+        # kernel API's dequantizing reference
+        assert not _kernel_path("auto", cuda, state(torch.int16, 4, value_codebook=32768))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
