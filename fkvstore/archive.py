@@ -641,7 +641,7 @@ class Stream(SearchMixin):
 
     def _evict(self, keep: int | None = None) -> None:
         """Drop least recently used chunks until the cache fits ``cache_bytes`` (counting whole
-        chunks); the most recent chunk and chunk ``keep`` always stay."""
+        chunks). One chunk always stays: ``keep`` when given, else the most recently used."""
         blocks, budget = self._blocks, self._ar.cache_bytes
         while len(blocks) > 1 and len(blocks) * self._block_bytes > budget:
             b = next(iter(blocks))
@@ -653,8 +653,8 @@ class Stream(SearchMixin):
     @property
     def cached_bytes(self) -> int:
         """Bytes of decoded-ready chunks this stream holds in its read cache (bounded by the
-        archive's ``cache_bytes``, but at least the most recent chunk, and for a writer also the
-        open last chunk)."""
+        archive's ``cache_bytes``, but at least one chunk: the most recently used, or for a
+        writer with a partly filled last chunk, that chunk)."""
         self._check_open()
         return sum(blk.nbytes for blk in self._blocks.values())
 
