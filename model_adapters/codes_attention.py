@@ -8,9 +8,9 @@ attached (attribute :data:`LAYER_ATTR`), and the attention function registered h
 - one query token and no masked position (plain decoding), float16/bfloat16:
   :func:`kernels.rvq_decode_attention` when the layer's ``backend`` asks for it (``"triton"``;
   ``"auto"`` for CUDA tensors with triton installed and shapes a kernel takes; ``"torch"``,
-  the dequantizing reference, for CUDA tensors); everything else, a CPU included, :func:`lookup_attention`, which works in
-  float32 on any device and reads a few bytes per archived position instead of decoding the
-  archive (``docs/serving.md``, "Decode on a CPU");
+  the dequantizing reference, for CUDA tensors); everything else, a CPU included,
+  :func:`lookup_attention`, which works in float32 on any device and reads a few bytes per
+  archived position instead of decoding the archive (``docs/serving.md``, "Decode on a CPU");
 - one query token with masked positions (left-padded batches): :func:`lookup_attention`;
 - several query tokens (prefill, chunked prefill, verification of draft tokens): the layer's codes
   are decoded into a dense K/V that lives only for this call, and the usual SDPA runs with the
