@@ -438,7 +438,7 @@ class Archive:
 
     def array_names(self) -> list[str]:
         """Names of the auxiliary arrays."""
-        return list(self._h5()[layout.ARRAYS].keys())
+        return layout.finished_names(self._h5()[layout.ARRAYS])
 
     def delete_array(self, name: str) -> None:
         self._check_writable()
@@ -1105,25 +1105,12 @@ class Stream(SearchMixin):
         arr = _checked_array(array, key)
         attrs = dict(attrs or {})
         self._ar._check_writable()
+        # before the file is touched: a failed attribute write inside it upsets HDF5's SWMR
+        # state (seen with h5py 3.16), beyond what the unfinished-name write can undo
         _check_attrs_storable(attrs, f"aux array {key!r}")
         with self._ar._structural():
             g = self._ar._file[self._group_path].require_group(layout.AUX)
-            # written under a name no user key can have, then renamed: an attribute HDF5
-            # cannot store leaves neither a partial array nor a lost previous one
-            tmp = f".new_{key}"
-            if tmp in g:
-                del g[tmp]
-            try:
-                ds = layout.put_checked_array(g, tmp, arr)
-                for k, v in attrs.items():
-                    ds.attrs[k] = v
-            except BaseException:
-                if tmp in g:
-                    del g[tmp]
-                raise
-            if key in g:
-                del g[key]
-            g.move(tmp, key)
+            layout.put_checked_array(g, key, arr, attrs)
 
     def get_aux_array(self, key: str) -> tuple[np.ndarray, dict]:
         """The array stored under ``key`` and its attributes (CRC-checked)."""
@@ -1138,8 +1125,7 @@ class Stream(SearchMixin):
     def aux_array_names(self) -> list[str]:
         self._check_open()
         g = self._ar._h5()[self._group_path]
-        names = list(g[layout.AUX].keys()) if layout.AUX in g else []
-        return [n for n in names if not n.startswith(".")]  # ".new_*": an unfinished write
+        return layout.finished_names(g[layout.AUX]) if layout.AUX in g else []
 
 
 class TextStream(Stream):

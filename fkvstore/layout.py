@@ -36,11 +36,15 @@ __all__ = [
     "FORMAT_VERSION",
     "RESERVED_PREFIX",
     "STREAMS",
+    "UNFINISHED_PREFIX",
     "Commit",
     "StreamInfo",
     "block_spans_for",
     "checksum",
     "create_stream_group",
+    "finished_names",
+    "get_checked_array",
+    "put_checked_array",
     "read_block",
     "read_commit",
     "read_stream_info",
@@ -233,13 +237,36 @@ def _le_bytes(arr: np.ndarray) -> bytes:
     return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
 
 
-def put_checked_array(group: h5py.Group, name: str, arr: np.ndarray) -> h5py.Dataset:
-    """Store ``arr`` as dataset ``name`` of ``group`` (replacing one of that name) + CRC-32."""
+UNFINISHED_PREFIX = ".new_"  # a checked array being written; user names never start with "."
+
+
+def put_checked_array(group: h5py.Group, name: str, arr: np.ndarray,
+                      attrs: dict | None = None) -> h5py.Dataset:
+    """Store ``arr`` as dataset ``name`` of ``group`` with its CRC-32 and ``attrs``, replacing
+    one of that name only once the new one is complete: it is written under
+    ``UNFINISHED_PREFIX + name`` and then renamed, so a failure (an attribute HDF5 cannot
+    store, a full disk, a killed process) leaves the previous dataset and no partial one."""
+    tmp = UNFINISHED_PREFIX + name
+    if tmp in group:
+        del group[tmp]
+    try:
+        ds = group.create_dataset(tmp, data=arr)
+        ds.attrs["fkv_crc32"] = np.uint32(zlib.crc32(_le_bytes(arr)))
+        for k, v in (attrs or {}).items():
+            ds.attrs[k] = v
+    except BaseException:
+        if tmp in group:
+            del group[tmp]
+        raise
     if name in group:
         del group[name]
-    ds = group.create_dataset(name, data=arr)
-    ds.attrs["fkv_crc32"] = np.uint32(zlib.crc32(_le_bytes(arr)))
-    return ds
+    group.move(tmp, name)
+    return group[name]
+
+
+def finished_names(group: h5py.Group) -> list[str]:
+    """Names of the checked arrays of ``group``, without unfinished writes."""
+    return [n for n in group.keys() if not n.startswith(UNFINISHED_PREFIX)]
 
 
 def get_checked_array(ds: h5py.Dataset) -> np.ndarray:

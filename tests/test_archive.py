@@ -365,6 +365,35 @@ def test_create_stream_removes_a_half_created_group(path, monkeypatch):
         ar.create_stream("x", 10)
 
 
+def test_checked_array_is_replaced_only_once_written(tmp_path, monkeypatch):
+    from fkvstore import layout
+
+    def disk_full(arr):
+        raise OSError("disk full")
+
+    with h5py.File(tmp_path / "plain.h5", "w") as f:
+        layout.put_checked_array(f, "a", np.arange(3))
+        monkeypatch.setattr(layout, "_le_bytes", disk_full)
+        with pytest.raises(OSError, match="disk full"):
+            layout.put_checked_array(f, "a", np.zeros(5))
+        monkeypatch.undo()
+        assert list(f.keys()) == ["a"]  # no partial write left, the previous array kept
+        np.testing.assert_array_equal(layout.get_checked_array(f["a"]), np.arange(3))
+
+
+def test_unfinished_array_of_a_killed_writer_is_not_listed(path):
+    with fkvstore.open(path, "w") as ar:
+        ar.put_array("a", np.arange(3))
+        ar.create_stream("s", 4).put_aux_array("walk", np.ones(2))
+    with h5py.File(path, "a") as f:  # what a writer killed mid-write leaves
+        f["arrays"].create_dataset(".new_a", data=np.zeros(9))
+        f["streams/s/aux"].create_dataset(".new_walk", data=np.zeros(9))
+    with fkvstore.open(path) as ar:
+        assert ar.array_names() == ["a"]
+        assert ar["s"].aux_array_names() == ["walk"]
+        np.testing.assert_array_equal(ar.get_array("a"), np.arange(3))
+
+
 def test_put_aux_array_with_an_unstorable_attribute_stores_nothing(path):
     with fkvstore.open(path, "w") as ar:
         s = ar.create_stream("s", 4)
