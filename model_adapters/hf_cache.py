@@ -20,7 +20,7 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from model_adapters.adapters import KVShape, check_window, kv_shape
+from model_adapters.adapters import KVShape, check_window, crop_target, kv_shape
 from model_adapters.code_rows import CodeRows
 from model_adapters.quantizer import KVQuantizer
 
@@ -88,12 +88,10 @@ class ArchivingLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         """``n < 0`` drops the last ``-n`` positions, ``n > 0`` keeps the first ``n`` (both
-        transformers conventions), ``0`` does nothing; archived positions cannot be dropped."""
+        transformers conventions, :func:`~model_adapters.adapters.crop_target`), ``0`` does
+        nothing; archived positions cannot be dropped."""
         length = self.get_seq_length()
-        if tokens_to_remove < 0:
-            keep = max(0, length + tokens_to_remove)
-        else:
-            keep = min(tokens_to_remove, length) if tokens_to_remove else length
+        keep = crop_target(tokens_to_remove, length)
         if keep == length:
             return
         if keep < self.archived_until:

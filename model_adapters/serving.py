@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from model_adapters.adapters import KVShape, check_window, kv_shape
+from model_adapters.adapters import KVShape, check_window, crop_target, kv_shape
 from model_adapters.codes_attention import CODES_ATTENTION, LAYER_ATTR, use_codes_attention
 from model_adapters.quantizer import KVQuantizer
 from model_adapters.rvq import decode
@@ -427,16 +427,10 @@ class CodesOnlyCache(Cache):
         Raises ValueError, changing nothing, when a position would have to become exact again
         but only its codes are held, or when cutting past the start.
         """
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
-            raise TypeError(f"crop takes an int, got {tokens_to_remove!r}")
         length = self.get_seq_length()
-        if tokens_to_remove == 0:
+        target = crop_target(tokens_to_remove, length)
+        if target == length:
             return
-        target = tokens_to_remove if tokens_to_remove > 0 else length + tokens_to_remove
-        if target < 0:
-            raise ValueError(
-                f"cannot remove {-tokens_to_remove} positions: the cache holds only {length}"
-            )
         for layer in self.layers:
             problem = layer.crop_problem(target)
             if problem is not None:

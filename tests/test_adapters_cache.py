@@ -201,6 +201,14 @@ def test_crop_refuses_archived_positions():
     assert cache.get_seq_length() == 6 and cache.layers[0].keys.shape[2] == 6
     with pytest.raises(ValueError, match="already archived"):
         cache.crop(-3)
+    # past the start or beyond the length: refused like the codes-only cache (no clamping)
+    with pytest.raises(ValueError, match="holds only 6"):
+        cache.crop(-7)
+    with pytest.raises(ValueError, match="holds only 6"):
+        cache.crop(9)
+    with pytest.raises(TypeError, match="int"):
+        cache.crop(2.0)
+    assert cache.get_seq_length() == 6
 
 
 def test_cache_rejects_bad_arguments():
