@@ -147,7 +147,7 @@ def _validate(args) -> list[QuantConfig]:
             f"covers all {args.tokens - 1} cached positions of a --tokens {args.tokens} passage, "
             "so nothing would be archived; lower the window or raise --tokens"
         )
-    biggest = max((c.codebook_size for c in configs if not c.is_exact), default=0)
+    biggest = _largest_codebook(configs)
     if biggest and args.train_tokens < biggest:
         raise ValueError(
             f"--train-tokens {args.train_tokens} is below the largest codebook size {biggest}; "
@@ -162,11 +162,15 @@ def _validate(args) -> list[QuantConfig]:
     return configs
 
 
+def _largest_codebook(configs) -> int:
+    """The largest codebook any quantized config trains (0: all exact)."""
+    return max((c.codebook_size for c in configs if not c.is_exact), default=0)
+
+
 def _check_training_span(split, configs, text_name: str) -> None:
     """k-means needs at least one training vector per centroid: refuse a text whose training
     span (after the passage, then before chapter I) is shorter than the largest codebook."""
-    biggest = max((c.codebook_size for c in configs if not c.is_exact), default=0)
-    have = sum(len(seg) for seg in split.train_segments)
+    biggest, have = _largest_codebook(configs), split.train_tokens
     if have < biggest:
         raise ValueError(
             f"{text_name} leaves {have} training tokens beside the passage, below the largest "
