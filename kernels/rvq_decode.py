@@ -81,7 +81,7 @@ def rvq_decode_attention(
     With ``check_codes=False``, no GPU lengths to check (or ``check_lengths=False``) and a
     ``scale`` that is not a GPU tensor, the call never waits for the GPU, so the host can run
     ahead of it, and the Triton path can be captured in a CUDA graph
-    (``tests/test_kernels_gpu.py`` does both).
+    (``tests/kernels/test_kernels_gpu.py`` does both).
 
     Returns:
         ``(batch, q_heads, head_dim)`` in the query's dtype.

@@ -1,7 +1,7 @@
 """Write tests/golden/v1.h5, the archive every later fkvstore must read exactly.
 
 Run once when the format version changes (``python tests/golden/make_golden.py``); the content
-comes from tests/test_archive_integrity.py::golden_content, so the test and the file agree.
+comes from tests/fkvstore/test_archive_integrity.py::golden_content, so the test and the file agree.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE.parent))
+sys.path[:0] = [str(HERE.parent / "fkvstore"), str(HERE.parent / "support")]
 
 import fkvstore  # noqa: E402
 

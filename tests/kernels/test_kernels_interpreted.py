@@ -3,7 +3,7 @@
 ``TRITON_INTERPRET=1`` must be set before triton compiles a kernel, and setting it in a process
 would change how every other test module's triton kernels run. So these tests run only in a
 process that has it from the start: ``test_kernels_interpreter.py`` starts one for them, and
-``TRITON_INTERPRET=1 pytest tests/test_kernels_interpreted.py`` runs them directly.
+``TRITON_INTERPRET=1 pytest tests/kernels/test_kernels_interpreted.py`` runs them directly.
 """
 
 from __future__ import annotations

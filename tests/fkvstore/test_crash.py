@@ -28,7 +28,7 @@ from fkvstore._superblock import open_cleared_view
 from fkvstore.errors import ArchiveLockedError
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
+SUPPORT = HERE.parent / "support"
 import crash_writer as cw  # noqa: E402
 
 DEEP = os.environ.get("FKV_DEEP") == "1"
@@ -38,7 +38,7 @@ TARGETS = ("extend", "flush", "append", "truncate", None)
 
 def _env() -> dict:
     env = dict(os.environ)
-    root = str(HERE.parent)
+    root = str(HERE.parents[1])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
@@ -94,7 +94,7 @@ def run_chain(tmp: Path, chain: int, kills: int) -> Counter:
         proc = subprocess.Popen(
             [
                 sys.executable,
-                str(HERE / "crash_writer.py"),
+                str(SUPPORT / "crash_writer.py"),
                 str(path),
                 str(status_path),
                 str(int(rng.integers(1 << 30))),

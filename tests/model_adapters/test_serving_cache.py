@@ -308,12 +308,13 @@ def test_lookup_attention_matches_dense_oracle(
 def test_triton_path_under_the_interpreter():
     pytest.importorskip("triton")
     tests = Path(__file__).resolve().parent
+    root = tests.parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tests.parent), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          str(tests / "test_serving_interpreted.py")],
-        cwd=tests.parent, env=env, capture_output=True, text=True, timeout=600)
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:]
 
 

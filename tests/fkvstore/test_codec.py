@@ -1,4 +1,4 @@
-"""The codec against tests/naive.py, lossless round trips, invalid points, bad input."""
+"""The codec against tests/support/naive.py, lossless round trips, invalid points, bad input."""
 
 from __future__ import annotations
 

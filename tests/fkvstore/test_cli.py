@@ -159,7 +159,7 @@ def test_demo_short_and_empty_texts(tmp_path, capsys):
 
 def test_console_script_entry(tmp_path, archive):
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(Path(__file__).parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(Path(__file__).parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run(
         [sys.executable, "-m", "fkvstore.cli", "get", str(archive), "t", ":"],
         capture_output=True,

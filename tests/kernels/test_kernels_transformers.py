@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = r"""
 import importlib.util, json, site, sys

@@ -21,7 +21,7 @@ TESTS = Path(__file__).resolve().parent
                     reason="this process already interprets: the cases run directly")
 def test_triton_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    root = str(TESTS.parent)
+    root = str(TESTS.parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

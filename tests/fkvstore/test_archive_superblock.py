@@ -156,7 +156,7 @@ def test_writer_open_still_repairs_a_dead_writers_archive(tmp_path):
         "ar.create_stream('s', 10).extend([1, 2, 3]); ar.flush()\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
-    root = str(Path(__file__).parent.parent)
+    root = str(Path(__file__).parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, "-c", code, str(path)], env=env)
     assert res.returncode == -signal.SIGKILL

@@ -13,7 +13,7 @@ import naive
 from fkvstore.codec import Codec
 from fkvstore.index import SuffixIndex
 
-TEXT = Path(__file__).resolve().parents[1] / "fkvstore" / "data" / "the_time_machine.txt"
+TEXT = Path(__file__).resolve().parents[2] / "fkvstore" / "data" / "the_time_machine.txt"
 
 
 @st.composite

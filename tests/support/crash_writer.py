@@ -1,4 +1,4 @@
-"""Child process of tests/test_crash.py: appends a known sequence to an archive until killed.
+"""Child of tests/fkvstore/test_crash.py: appends a known sequence to an archive until killed.
 
 Usage: python crash_writer.py ARCHIVE STATUSFILE SEED
 

@@ -48,7 +48,7 @@ def tiny_qwen3(vocab_size: int = 101, seed: int = 0):
 TINY_MODELS = {"gpt2": tiny_gpt2, "qwen3": tiny_qwen3}
 
 
-TOKENIZER_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "gpt2-tokenizer"
+TOKENIZER_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "gpt2-tokenizer"
 
 
 def random_quantizer(model, key_stages=2, value_stages=1, k=16, seed=0):

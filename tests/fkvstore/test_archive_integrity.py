@@ -20,12 +20,12 @@ from fkvstore import cli
 from fkvstore.errors import ChecksumError, PositionError
 
 HERE = Path(__file__).parent
-GOLDEN = HERE / "golden"
+GOLDEN = HERE.parent / "golden"
 
 
 def _env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(HERE.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(HERE.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
