@@ -13,9 +13,14 @@ from adapters_fixtures import (  # noqa: F401
     transformers,
 )
 
-from model_adapters import eval as adapters_eval
-from model_adapters.configs import ALL_CONFIGS, expand_configs, parse_config
-from model_adapters.text import chapter_one_offset, clean_text, split_tokens, strip_gutenberg
+from model_adapters.experiments import eval as adapters_eval
+from model_adapters.experiments.text import (
+    chapter_one_offset,
+    clean_text,
+    split_tokens,
+    strip_gutenberg,
+)
+from model_adapters.quant.configs import ALL_CONFIGS, expand_configs, parse_config
 
 needs_tokenizer = pytest.mark.skipif(
     not TOKENIZER_DIR.is_dir(), reason="GPT-2 tokenizer files not present"
@@ -204,3 +209,28 @@ def test_cli_refuses_a_training_span_shorter_than_a_codebook(tiny_checkpoint, tm
     assert "training tokens beside the passage, below the largest codebook size 256" in \
         capsys.readouterr().err
     assert not out.exists()
+
+
+def test_documented_command_is_light():
+    """``python -m model_adapters.eval`` runs the experiments' harness, and neither it (for
+    --help) nor ``import model_adapters`` loads torch or transformers."""
+    import subprocess
+    import sys
+
+    from model_adapters import eval as shim
+
+    assert shim.main is adapters_eval.main
+    probe = (
+        "import runpy, sys\n"
+        "import model_adapters\n"
+        "sys.argv = ['x', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('model_adapters.eval', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert "python -m model_adapters.eval" in out
+    assert out.strip().endswith("[]")

@@ -9,14 +9,9 @@ from serving_fixtures import (
     random_quantizer,
 )
 
-from model_adapters.archive_io import archive_available
-from model_adapters.hf_cache import cache_kwarg
-from model_adapters.serving import CodesOnlyCache, use_codes_attention
-
-if not archive_available():
-    pytest.skip("this fkvstore has no persistent archive", allow_module_level=True)
-
-from model_adapters import serving_archive  # noqa: E402
+from model_adapters.caches.codes_only import CodesOnlyCache, use_codes_attention
+from model_adapters.models import cache_kwarg
+from model_adapters.store import serving_archive
 
 WINDOW = dict(sinks=2, recent=5, rewind=3)
 IDS = torch.randint(2, 100, (1, 40), generator=torch.Generator().manual_seed(11))
@@ -227,7 +222,7 @@ def test_refusals_leave_the_archive_unchanged(tmp_path):
             sa.forward(wider, IDS[:, 20:21])
         assert sa.cache.get_seq_length() == 20 and len(sa.tokens) == 20
     # an archive from the evaluation tools (no serving checkpoint)
-    from model_adapters.archive_io import open_for_writing
+    from model_adapters.store.archive_io import open_for_writing
 
     ar, _ = open_for_writing(tmp_path / "eval.fkv", gpt2, q, sinks=2, recent=5)
     ar.create_stream("tokens", alphabet_size=101)

@@ -20,11 +20,12 @@ from serving_fixtures import (
     step_logits,
 )
 
-from model_adapters.code_rows import CodeRows
-from model_adapters.codes_attention import CODES_ATTENTION, lookup_attention
-from model_adapters.hf_cache import ArchivingCache, cache_kwarg
-from model_adapters.rvq import decode
-from model_adapters.serving import CodesOnlyCache, dense_cache_bytes, use_codes_attention
+from model_adapters.caches.archiving import ArchivingCache
+from model_adapters.caches.code_rows import CodeRows
+from model_adapters.caches.codes_attention import CODES_ATTENTION, lookup_attention
+from model_adapters.caches.codes_only import CodesOnlyCache, dense_cache_bytes, use_codes_attention
+from model_adapters.models import cache_kwarg
+from model_adapters.quant.rvq import decode
 
 DynamicCache = pytest.importorskip("transformers").DynamicCache
 IDS = torch.randint(2, 100, (2, 48), generator=torch.Generator().manual_seed(1))
@@ -138,7 +139,7 @@ def test_cpu_decode_takes_the_lookup_path(backend, monkeypatch):
 def test_kernel_routing_rule():
     from types import SimpleNamespace
 
-    from model_adapters.codes_attention import _kernel_path
+    from model_adapters.caches.codes_attention import _kernel_path
 
     shape = (1, 4, 1, 8)  # (batch, q_heads, query tokens, head_dim)
     cuda = SimpleNamespace(is_cuda=True, shape=shape)

@@ -20,7 +20,7 @@ from serving_fixtures import (  # noqa: E402
     step_logits,
 )
 
-from model_adapters.serving import CodesOnlyCache, use_codes_attention  # noqa: E402
+from model_adapters.caches.codes_only import CodesOnlyCache, use_codes_attention  # noqa: E402
 
 
 def test_triton_decode_matches_the_lookup_path(monkeypatch):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from adapters_fixtures import TINY_MODELS, torch
 
-from model_adapters.adapters import kv_shape
-from model_adapters.hf_cache import ArchivingCache, cache_kwarg
-from model_adapters.quantizer import KVQuantizer
-from model_adapters.serving import CodesOnlyCache, use_codes_attention
+from model_adapters.caches.archiving import ArchivingCache
+from model_adapters.caches.codes_only import CodesOnlyCache, use_codes_attention
+from model_adapters.models import cache_kwarg, kv_shape
+from model_adapters.quant.quantizer import KVQuantizer
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,9 @@
 """Attention over a layer whose archived positions are held only as residual-VQ codes.
 
-A codes-only cache layer (:mod:`model_adapters.serving`) cannot hand the model a dense key tensor
-for its archived positions, so its ``update`` returns the exact recent keys with the layer itself
-attached (attribute :data:`LAYER_ATTR`), and the attention function registered here under
-:data:`CODES_ATTENTION` reads the codes from that layer:
+A codes-only cache layer (:mod:`model_adapters.caches.codes_only`) cannot hand the model a dense
+key tensor for its archived positions, so its ``update`` returns the exact recent keys with the
+layer itself attached (attribute :data:`LAYER_ATTR`), and the attention function registered here
+under :data:`CODES_ATTENTION` reads the codes from that layer:
 
 - one query token and no masked position (plain decoding), float16/bfloat16:
   :func:`kernels.rvq_decode_attention` when the layer's ``backend`` asks for it (``"triton"``;
