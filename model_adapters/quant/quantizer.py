@@ -21,6 +21,7 @@ from model_adapters.models import (
     ModelIdentity,
     check_identity,
     kv_shape,
+    max_positions,
     model_identity,
 )
 from model_adapters.quant.configs import QuantConfig, parse_config
@@ -272,7 +273,7 @@ class KVQuantizer:
             token_ids: one run of token ids (a sequence or 1-D tensor), or a list of runs.
             config: a configuration name (``"perhead-k256-s2"``, see
                 :mod:`model_adapters.quant.configs`) or a parsed :class:`QuantConfig`.
-            context: tokens per forward pass while collecting.
+            context: tokens per forward pass while collecting (at most the model's positions).
             iters, seed, max_points: k-means settings (:func:`train_kv_quantizer`).
             progress: show progress bars (collecting, then one step per layer and side).
 
@@ -285,6 +286,7 @@ class KVQuantizer:
 
         cfg = parse_config(config) if isinstance(config, str) else config
         shape, identity = kv_shape(model), model_identity(model)
+        context = min(context, max_positions(model))
         keys, values = collect_kv(model, _segments(token_ids), context=context, progress=progress)
         steps = shape.num_layers * ((cfg.key_stages > 0) + (cfg.value_stages > 0))
         with tqdm(total=steps, desc="fit codebooks", unit="layer", disable=not progress) as bar:

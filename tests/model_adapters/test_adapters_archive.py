@@ -6,13 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from adapters_fixtures import (  # noqa: F401
-    TINY_MODELS,
-    random_quantizer,
-    tiny_checkpoint,
-    tiny_eval_args,
-    torch,
-)
+from adapters_fixtures import TINY_MODELS, random_quantizer, tiny_eval_args, torch
 
 from model_adapters import eval as adapters_eval
 from model_adapters.caches.archiving import ArchivingCache
@@ -100,7 +94,7 @@ def test_archive_from_another_model_config_is_refused(tmp_path):
         archive_io.check_identity(ar, written)
 
 
-def test_cli_writes_real_archives(tiny_checkpoint, tmp_path):  # noqa: F811
+def test_cli_writes_real_archives(tiny_checkpoint, tmp_path):
     model_dir, book = tiny_checkpoint
     out, adir = tmp_path / "res.json", tmp_path / "archives"
     configs = ["perhead-k16-s2", "perhead-k16-s1-valuesonly"]
@@ -124,7 +118,7 @@ def test_cli_writes_real_archives(tiny_checkpoint, tmp_path):  # noqa: F811
 
 
 def test_cli_reuses_codebooks_from_an_archive_and_refuses_another_models(
-    tiny_checkpoint,  # noqa: F811
+    tiny_checkpoint,
     tmp_path,
     capsys,
 ):

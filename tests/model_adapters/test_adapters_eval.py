@@ -5,13 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from adapters_fixtures import (  # noqa: F401
-    TOKENIZER_DIR,
-    make_book,
-    tiny_checkpoint,
-    tiny_eval_args,
-    transformers,
-)
+from adapters_fixtures import TOKENIZER_DIR, make_book, tiny_eval_args, transformers
 
 from model_adapters.experiments import eval as adapters_eval
 from model_adapters.experiments.text import (
@@ -107,7 +101,7 @@ def test_split_passage_and_training_span_are_disjoint():
         split_tokens(text, tok, 100_000, 10)
 
 
-def test_cli_end_to_end(tiny_checkpoint, tmp_path, capsys):  # noqa: F811
+def test_cli_end_to_end(tiny_checkpoint, tmp_path, capsys):
     model_dir, book = tiny_checkpoint
     out = tmp_path / "res.json"
     configs = ["perhead-k16-s2", "pooled-k16-s1", "perhead-k16-s2-keysonly"]
@@ -167,7 +161,7 @@ def test_cli_rejects_bad_input_before_work(tmp_path, capsys, args, message):
     assert not out.exists()
 
 
-def test_cli_reuses_saved_codebooks(tiny_checkpoint, tmp_path):  # noqa: F811
+def test_cli_reuses_saved_codebooks(tiny_checkpoint, tmp_path):
     model_dir, book = tiny_checkpoint
     common = ["--model", str(model_dir), "--text", str(book), "--tokens", "40"]
     common += ["--train-tokens", "300", "--config", "perhead-k8-K2V1", "--sinks", "1"]
@@ -198,7 +192,7 @@ def test_cli_refuses_a_model_folder_without_a_tokenizer(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_cli_refuses_a_training_span_shorter_than_a_codebook(tiny_checkpoint, tmp_path,  # noqa: F811
+def test_cli_refuses_a_training_span_shorter_than_a_codebook(tiny_checkpoint, tmp_path,
                                                               capsys):
     model_dir, _ = tiny_checkpoint
     book = tmp_path / "short.txt"

@@ -15,7 +15,6 @@ from serving_fixtures import (
     caches,
     dense_attention,
     model_pair,
-    one_thread,  # noqa: F401 (autouse)
     random_quantizer,
     step_logits,
 )

@@ -6,7 +6,6 @@ import pytest
 from adapters_fixtures import torch
 from serving_fixtures import (
     model_pair,
-    one_thread,  # noqa: F401 (autouse)
     random_quantizer,
     step_logits,
 )

@@ -15,7 +15,6 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from adapters_fixtures import TINY_MODELS, torch  # noqa: E402
 from serving_fixtures import (  # noqa: E402
-    one_thread,  # noqa: E402, F401 (autouse)
     random_quantizer,
     step_logits,
 )
