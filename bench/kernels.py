@@ -155,9 +155,10 @@ def check_correctness(device):
     dtype (batch 4, 8K context, ragged lengths)."""
     import torch
 
-    from kernels import _rvq_triton
+    from kernels import _plan
     from kernels._validate import validate_decode_args
     from kernels.reference import reference_decode_attention
+    from kernels.rvq_decode import triton_decode
 
     rows = []
     for name, shape in SHAPES.items():
@@ -170,9 +171,9 @@ def check_correctness(device):
                 case["recent_lengths"] = torch.tensor([RECENT, 3, 0, RECENT], device=device)
                 ref = reference_decode_attention(**case, out_dtype=torch.float32)
                 problem = validate_decode_args(**case)
-                for variant in _rvq_triton.VARIANTS:
+                for variant in _plan.VARIANTS:
                     try:
-                        out = _rvq_triton.decode(problem, variant=variant)
+                        out = triton_decode(problem, variant=variant)
                     except Exception as exc:  # report, keep measuring the other variant
                         print(f"correctness {variant} failed: {exc!r}"[:2000], file=sys.stderr)
                         rows.append({"shape": name, "variant": variant, "error": repr(exc)[:500]})
@@ -250,10 +251,10 @@ def run_grid(contexts, batches, device, graphs: bool, variant_under_test: str = 
 
 def time_variant(problem, variant, prefix, graphs):
     """Timings and extra peak memory of one kernel variant (``None`` where it fails)."""
-    from kernels import _rvq_triton
+    from kernels.rvq_decode import triton_decode
 
     def rvq():
-        return _rvq_triton.decode(problem, variant=variant)
+        return triton_decode(problem, variant=variant)
 
     try:
         rvq()
@@ -276,11 +277,11 @@ def tunings(problem, plan):
     """One-hot kernel settings beside the defaults: no L2 requests ahead (the previous
     kernel), half the positions per step, the score-table layout the plan does not pick, and
     the centroids per program (32 or 64) the kernel does not pick."""
-    from kernels import _rvq_onehot
+    from kernels import _onehot_plan
 
     return {"default": {}, "no prefetch": {"prefetch": 0}, "half block": {"block_n": 64},
             "other table layout": {"centroid_major": not plan.centroid_major},
-            "other centroid block": {"block_c": 96 - _rvq_onehot._block_c(problem, plan)}}
+            "other centroid block": {"block_c": 96 - _onehot_plan.default_block_c(problem, plan)}}
 
 
 def sweep_splits(device, split_factors=(0.5, 1, 2)):
@@ -288,16 +289,16 @@ def sweep_splits(device, split_factors=(0.5, 1, 2)):
     and a few settings, on a few configs."""
     import torch
 
-    from kernels import _rvq_onehot
-    from kernels._rvq_triton import split_layout
+    from kernels import _onehot, _onehot_plan
+    from kernels._plan import split_layout
     from kernels._validate import validate_decode_args
 
     rows = []
     for name, stages, context, batch in SWEPT:
         case = make_coded_case(SHAPES[name], stages, context, batch, device, torch.float16)
         problem = validate_decode_args(**case, check_codes=False)
-        chosen = _rvq_onehot.choose_num_splits(problem)
-        plan = _rvq_onehot.plan_for(problem)
+        chosen = _onehot_plan.choose_num_splits(problem)
+        plan = _onehot_plan.plan_for(problem)
         block_n = plan.block_n
         for factor in split_factors:
             # the count the kernel runs (split lengths are whole blocks)
@@ -306,7 +307,7 @@ def sweep_splits(device, split_factors=(0.5, 1, 2)):
             for label, tuning in tunings(problem, plan).items():
 
                 def fn(splits=splits, tuning=tuning, problem=problem):
-                    return _rvq_onehot.decode(problem, num_splits=splits, **tuning)
+                    return _onehot.decode(problem, num_splits=splits, **tuning)
 
                 try:
                     fn()
@@ -357,7 +358,7 @@ def print_sweep_table(data):
 
 def default_variant(row):
     """The kernel ``choose_variant`` runs for a result row's shape and batch."""
-    from kernels._variants import variant_for
+    from kernels._plan import variant_for
 
     shape = SHAPES[row["shape"]]
     return variant_for(shape["q_heads"] // shape["kv_heads"], row["batch"])
@@ -526,17 +527,18 @@ def profile_launches(out_path):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from kernels import _rvq_triton
+    from kernels import _plan
     from kernels._validate import validate_decode_args
+    from kernels.rvq_decode import triton_decode
 
     device = torch.device("cuda")
     rows = []
     for name, stages, context, batch in PROFILED:
         case = make_coded_case(SHAPES[name], stages, context, batch, device, torch.float16)
         problem = validate_decode_args(**case, check_codes=False)
-        for variant in _rvq_triton.VARIANTS:
+        for variant in _plan.VARIANTS:
             def call(problem=problem, variant=variant):
-                return _rvq_triton.decode(problem, variant=variant)
+                return triton_decode(problem, variant=variant)
 
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())

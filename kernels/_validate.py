@@ -9,51 +9,17 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from dataclasses import dataclass
 
 import torch
+
+from kernels._plan import MAX_SPLITS
+from kernels.coded_cache import CodedCache, DecodeProblem
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 CODEBOOK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The largest codebook each code dtype can address (codes are non-negative).
 CODE_DTYPE_LIMITS = {torch.uint8: 256, torch.int16: 32768}
-MAX_SPLITS = 1024
 FLOAT32_MAX = 3.4028234663852886e38
-
-
-@dataclass(frozen=True)
-class DecodeProblem:
-    """One validated decode-attention call; lengths are int32 tensors on the query's device."""
-
-    query: torch.Tensor
-    key_codes: torch.Tensor
-    value_codes: torch.Tensor
-    key_codebooks: torch.Tensor
-    value_codebooks: torch.Tensor
-    sink_keys: torch.Tensor
-    sink_values: torch.Tensor
-    recent_keys: torch.Tensor
-    recent_values: torch.Tensor
-    sink_lengths: torch.Tensor
-    archived_lengths: torch.Tensor
-    recent_lengths: torch.Tensor
-    scale: float
-
-    @property
-    def batch(self) -> int:
-        return self.query.shape[0]
-
-    @property
-    def q_heads(self) -> int:
-        return self.query.shape[1]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.key_codebooks.shape[0]
-
-    @property
-    def head_dim(self) -> int:
-        return self.query.shape[2]
 
 
 def _tensor(name: str, value, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
@@ -246,8 +212,7 @@ def validate_decode_args(
                              "archived and recent lengths are all 0); attention over nothing "
                              "is undefined")
     scale = _scale(scale, head_dim)
-    return DecodeProblem(
-        query=query.contiguous(),
+    cache = CodedCache(
         key_codes=key_codes,
         value_codes=value_codes,
         key_codebooks=key_codebooks.contiguous(),
@@ -259,5 +224,22 @@ def validate_decode_args(
         sink_lengths=sink_lengths,
         archived_lengths=archived_lengths,
         recent_lengths=recent_lengths,
-        scale=float(scale),
     )
+    return DecodeProblem(query.contiguous(), cache, float(scale))
+
+
+def validate_coded_cache(query, cache: CodedCache, *, check_codes: bool = True,
+                         check_lengths: bool = True) -> CodedCache:
+    """Check ``cache`` against ``query`` ``(batch, q_heads, head_dim)`` as
+    :func:`kernels.rvq_decode_attention` checks its arguments (the same ``ValueError`` /
+    ``TypeError``, naming the argument); returns it normalised: contiguous codebooks, every
+    length an int32 tensor on the query's device."""
+    if not isinstance(cache, CodedCache):
+        raise TypeError(f"cache must be a kernels.CodedCache, got {type(cache).__name__}")
+    c = cache
+    return validate_decode_args(
+        query, c.key_codes, c.value_codes, c.key_codebooks, c.value_codebooks,
+        archived_lengths=c.archived_lengths, sink_keys=c.sink_keys, sink_values=c.sink_values,
+        sink_lengths=c.sink_lengths, recent_keys=c.recent_keys, recent_values=c.recent_values,
+        recent_lengths=c.recent_lengths, check_codes=check_codes,
+        check_lengths=check_lengths).cache

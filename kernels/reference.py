@@ -9,12 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._validate import (
-    CODE_DTYPE_LIMITS,
-    DecodeProblem,
-    check_code_range,
-    validate_decode_args,
-)
+from kernels._validate import CODE_DTYPE_LIMITS, check_code_range, validate_decode_args
+from kernels.coded_cache import DecodeProblem
 
 
 def dequantize_rvq(codes: torch.Tensor, codebooks: torch.Tensor, *,
@@ -57,19 +53,21 @@ def dequantize_rvq(codes: torch.Tensor, codebooks: torch.Tensor, *,
     return out
 
 
-def _decode(problem: DecodeProblem) -> torch.Tensor:
-    p = problem
-    # validate_decode_args checked the codes (or was told not to)
-    keys = dequantize_rvq(p.key_codes, p.key_codebooks, check_codes=False)
-    values = dequantize_rvq(p.value_codes, p.value_codebooks, check_codes=False)
+def decode(problem: DecodeProblem) -> torch.Tensor:
+    """Attention of a problem (every length filled in) on its dequantized cache, float32
+    ``(batch, q_heads, head_dim)``."""
+    p, c = problem, problem.cache
+    # the caller checked the codes (or was told not to)
+    keys = dequantize_rvq(c.key_codes, c.key_codebooks, check_codes=False)
+    values = dequantize_rvq(c.value_codes, c.value_codebooks, check_codes=False)
     group = p.q_heads // p.kv_heads
     out = torch.empty(p.batch, p.q_heads, p.head_dim, dtype=torch.float32, device=p.query.device)
     for b in range(p.batch):
-        ns, na, nr = (int(x[b]) for x in (p.sink_lengths, p.archived_lengths, p.recent_lengths))
-        k = torch.cat([p.sink_keys[b, :, :ns].float(), keys[b, :, :na],
-                       p.recent_keys[b, :, :nr].float()], dim=1)
-        v = torch.cat([p.sink_values[b, :, :ns].float(), values[b, :, :na],
-                       p.recent_values[b, :, :nr].float()], dim=1)
+        ns, na, nr = (int(x[b]) for x in (c.sink_lengths, c.archived_lengths, c.recent_lengths))
+        k = torch.cat([c.sink_keys[b, :, :ns].float(), keys[b, :, :na],
+                       c.recent_keys[b, :, :nr].float()], dim=1)
+        v = torch.cat([c.sink_values[b, :, :ns].float(), values[b, :, :na],
+                       c.recent_values[b, :, :nr].float()], dim=1)
         k = k.repeat_interleave(group, dim=0)  # query head h reads kv head h // group
         v = v.repeat_interleave(group, dim=0)
         q = p.query[b].float()[:, None, :]
@@ -90,4 +88,4 @@ def reference_decode_attention(query, key_codes, value_codes, key_codebooks, val
     """
     problem = validate_decode_args(query, key_codes, value_codes, key_codebooks,
                                    value_codebooks, **cache)
-    return _decode(problem).to(out_dtype or query.dtype)
+    return decode(problem).to(out_dtype or query.dtype)

@@ -1,4 +1,12 @@
-"""Public entry point: decode attention over a cache whose archived part is residual-VQ codes."""
+"""Public entry points of decode attention over a cache whose archived part is residual-VQ
+codes, and the one place that decides which implementation runs.
+
+- :func:`rvq_decode_attention`: the user-facing call, every argument validated.
+- :func:`decode_attention`: the trusted per-step path over a :class:`~kernels.CodedCache`
+  (validated once by its builder, :func:`kernels.validate_coded_cache`); nothing is checked
+  per call.
+- :func:`kernel_takes`: the ``"auto"`` decision, shared with ``model_adapters``.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +14,17 @@ import functools
 
 import torch
 
-from kernels._validate import check_num_splits, validate_decode_args
+from kernels._plan import VARIANTS, choose_variant, supports_shape
+from kernels._validate import (
+    ACTIVATION_DTYPES,
+    CODE_DTYPE_LIMITS,
+    check_num_splits,
+    validate_decode_args,
+)
+from kernels.coded_cache import CodedCache, DecodeProblem
 
 BACKENDS = ("auto", "triton", "torch")
+DEFAULT_VARIANT = "auto"  # choose_variant per problem
 
 
 @functools.cache
@@ -19,6 +35,19 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def kernel_takes(query: torch.Tensor, cache: CodedCache) -> bool:
+    """Whether a Triton kernel runs this decode step under ``backend="auto"``: CUDA tensors,
+    triton installed, a float16/bfloat16 query, uint8/int16 codes and shapes a kernel variant
+    supports (value histogram and grid limits). Reads no tensor contents."""
+    if not (query.is_cuda and query.dtype in ACTIVATION_DTYPES and triton_available()):
+        return False
+    if cache.key_codes.dtype not in CODE_DTYPE_LIMITS \
+            or cache.value_codes.dtype not in CODE_DTYPE_LIMITS:
+        return False
+    kv_heads, stages, size = cache.value_codebooks.shape[:3]
+    return supports_shape(query.shape[0], query.shape[1], kv_heads, stages, size)
 
 
 def rvq_decode_attention(
@@ -100,25 +129,63 @@ def rvq_decode_attention(
         sink_lengths=sink_lengths, recent_keys=recent_keys, recent_values=recent_values,
         recent_lengths=recent_lengths, scale=scale, check_codes=check_codes,
         check_lengths=check_lengths)
-    if backend == "auto":
-        backend = "triton" if query.is_cuda and triton_available() and _kernel_takes(problem) \
-            else "torch"
-    if backend == "torch":
-        from kernels.reference import _decode
+    return _run(problem, backend, num_splits)
 
-        return _decode(problem).to(query.dtype)
+
+def decode_attention(query: torch.Tensor, cache: CodedCache, *, scale: float,
+                     backend: str = "auto", num_splits: int | None = None) -> torch.Tensor:
+    """Decode attention of ``query`` ``(batch, q_heads, head_dim)`` (float16/bfloat16) over a
+    trusted ``cache``; returns ``(batch, q_heads, head_dim)`` in the query's dtype.
+
+    Nothing is validated here (:func:`kernels.validate_coded_cache` does that, once, where
+    the cache is built): a code outside its codebook or a length beyond its segment reads
+    outside the tensors. ``scale`` is a positive float; ``backend`` and ``num_splits`` as in
+    :func:`rvq_decode_attention`. The Triton path never waits for the GPU.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return _run(DecodeProblem(query.contiguous(), cache.with_lengths(), float(scale)), backend,
+                num_splits)
+
+
+def _run(problem: DecodeProblem, backend: str, num_splits: int | None) -> torch.Tensor:
+    query = problem.query
+    if backend == "auto":
+        backend = "triton" if kernel_takes(query, problem.cache) else "torch"
+    if backend == "torch":
+        from kernels import reference
+
+        return reference.decode(problem).to(query.dtype)
     if not triton_available():
         raise ValueError("backend='triton' needs the triton package (the 'gpu' extra)")
-    from kernels import _rvq_triton
+    from kernels._common import interpreted
 
-    if not query.is_cuda and not _rvq_triton.interpreted():
+    if not query.is_cuda and not interpreted():
         raise ValueError(
             f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 from process start, "
             f"Triton's CPU interpreter); the query is on {query.device}")
-    return _rvq_triton.decode(problem, num_splits=num_splits)
+    return triton_decode(problem, num_splits=num_splits)
 
 
-def _kernel_takes(problem) -> bool:
-    from kernels import _rvq_triton
+def triton_decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
+                  variant: str | None = None) -> torch.Tensor:
+    """Run a kernel variant on a problem; returns ``(batch, q_heads, head_dim)``.
 
-    return _rvq_triton.supports(problem)
+    ``variant``: ``"onehot"`` (``kernels/_onehot.py``: histogram by one-hot products),
+    ``"atomic"`` (``kernels/_atomic.py``: histogram by atomic adds) or ``"auto"``
+    (:func:`kernels._plan.choose_variant`); ``None`` means ``DEFAULT_VARIANT``. Problems the
+    one-hot kernel cannot hold (value histograms above its register budget) run the atomic one.
+    """
+    variant = DEFAULT_VARIANT if variant is None else variant
+    if variant not in (*VARIANTS, "auto"):
+        raise ValueError(f"variant must be one of {(*VARIANTS, 'auto')}, got {variant!r}")
+    if variant == "auto":
+        variant = choose_variant(problem)
+    if variant == "onehot":
+        from kernels import _onehot, _onehot_plan
+
+        if _onehot_plan.supports(problem, num_splits, num_warps):
+            return _onehot.decode(problem, num_splits=num_splits, num_warps=num_warps)
+    from kernels import _atomic
+
+    return _atomic.decode(problem, num_splits=num_splits, num_warps=num_warps)

@@ -124,7 +124,7 @@ def _kernel_path(backend: str, query: torch.Tensor, state) -> bool:
 
         if not triton_available():
             return False
-        from kernels._rvq_triton import supports_shape
+        from kernels._plan import supports_shape
 
         kv_heads, stages, size = state.value_codebooks.shape[:3]
         return supports_shape(query.shape[0], query.shape[1], kv_heads, stages, size)

@@ -6,20 +6,20 @@ import pytest
 import torch
 from kernels_cases import make_case, relative_error
 
-from kernels import _rvq_triton, reference_decode_attention, rvq_decode_attention
+from kernels import _plan, reference_decode_attention, rvq_decode_attention
 from kernels._validate import validate_decode_args
+from kernels.rvq_decode import triton_decode
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 DTYPES = [torch.float16, torch.bfloat16]
-VARIANTS = _rvq_triton.VARIANTS
+VARIANTS = _plan.VARIANTS
 
 
 def run_variant(case, variant, num_splits=None):
-    return _rvq_triton.decode(validate_decode_args(**case), variant=variant,
-                              num_splits=num_splits)
+    return triton_decode(validate_decode_args(**case), variant=variant, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -42,7 +42,7 @@ def test_gpu_matches_reference(dtype, shape, stages, variant):
     out = run_variant(case, variant)
     assert not out.isnan().any()
     assert relative_error(out, ref) <= 1e-2
-    if variant == _rvq_triton.choose_variant(validate_decode_args(**case)):
+    if variant == _plan.choose_variant(validate_decode_args(**case)):
         # backend "auto": the Triton path for CUDA tensors
         torch.testing.assert_close(rvq_decode_attention(**case), out)
 
@@ -115,3 +115,21 @@ def test_gpu_call_replays_from_a_cuda_graph():
         case["value_codes"].copy_(torch.randint_like(case["value_codes"], 256))
         graph.replay()
         torch.testing.assert_close(out, call(), rtol=0, atol=0, msg=f"replay {step}")
+
+
+def test_gpu_trusted_path_runs_the_kernel_without_waiting():
+    from kernels_cases import coded_cache
+
+    from kernels import decode_attention, kernel_takes
+
+    case = _coded_case()
+    cache = coded_cache(case)
+    assert kernel_takes(case["query"], cache)
+    expected = rvq_decode_attention(**case, scale=0.1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = decode_attention(case["query"], cache, scale=0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

@@ -21,8 +21,9 @@ from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from kernels_cases import make_case, relative_error  # noqa: E402
 
-from kernels import _rvq_triton, reference_decode_attention, rvq_decode_attention  # noqa: E402
+from kernels import _plan, reference_decode_attention, rvq_decode_attention  # noqa: E402
 from kernels._validate import validate_decode_args  # noqa: E402
+from kernels.rvq_decode import triton_decode  # noqa: E402
 
 TOLERANCE = 1e-2
 DTYPES = [torch.float16, torch.bfloat16]
@@ -41,10 +42,10 @@ def check(case, **kwargs):
     ref = reference_decode_attention(**case, out_dtype=torch.float32)
     _assert_close(out, ref, case["query"].dtype)
     problem = validate_decode_args(**case)
-    for variant in _rvq_triton.VARIANTS:
-        if variant != _rvq_triton.choose_variant(problem):
-            other = _rvq_triton.decode(problem, variant=variant,
-                                       num_splits=kwargs.get("num_splits"))
+    for variant in _plan.VARIANTS:
+        if variant != _plan.choose_variant(problem):
+            other = triton_decode(problem, variant=variant,
+                                  num_splits=kwargs.get("num_splits"))
             _assert_close(other, ref, case["query"].dtype)
     return out
 
@@ -93,7 +94,7 @@ def test_split_count_does_not_change_the_result():
 @pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (2, 2)])
 def test_several_position_blocks_per_split(q_heads, kv_heads):
     # 300 positions: full blocks of the one-hot kernel's 128 and a partial last block
-    from kernels._rvq_onehot import plan_for
+    from kernels._onehot_plan import plan_for
 
     case = make_case(q_heads=q_heads, kv_heads=kv_heads, archived=300, codebook_size=256,
                      head_dim=16, archived_lengths=[300, 211])
@@ -104,20 +105,20 @@ def test_several_position_blocks_per_split(q_heads, kv_heads):
 def test_merge_of_more_splits_than_one_step():
     # the value merge reads 16 splits per step here: 40 splits take two full steps and a
     # partial one (19 for the shorter sequence: one and a partial one)
-    from kernels import _rvq_onehot
-    from kernels._rvq_triton import split_layout
+    from kernels import _onehot
+    from kernels._plan import split_layout
 
     case = make_case(q_heads=4, kv_heads=2, archived=640, archived_lengths=[640, 300])
     problem = validate_decode_args(**case)
     assert split_layout(640, 40, 16) == (16, 40)
-    out = _rvq_onehot.decode(problem, num_splits=40, block_n=16)
+    out = _onehot.decode(problem, num_splits=40, block_n=16)
     _assert_close(out, reference_decode_attention(**case, out_dtype=torch.float32),
                   case["query"].dtype)
 
 
 def test_sixteen_heads_per_program():
     # one value stage: a program holds all 16 heads of the group, no padding rows
-    from kernels._rvq_onehot import plan_for
+    from kernels._onehot_plan import plan_for
 
     case = make_case(q_heads=16, kv_heads=1, value_stages=1, archived=90,
                      archived_lengths=[90, 41])
@@ -128,14 +129,14 @@ def test_sixteen_heads_per_program():
 @pytest.mark.parametrize("key_stages", [2, 4])
 def test_both_score_table_layouts(key_stages):
     # the default layout depends on the key stages: run each layout at each count
-    from kernels import _rvq_onehot
+    from kernels import _onehot
 
     case = make_case(q_heads=8, kv_heads=2, archived=150, key_stages=key_stages,
                      codebook_size=40, archived_lengths=[150, 77])
     problem = validate_decode_args(**case)
     ref = reference_decode_attention(**case, out_dtype=torch.float32)
     for centroid_major in (False, True):
-        out = _rvq_onehot.decode(problem, num_splits=2, centroid_major=centroid_major)
+        out = _onehot.decode(problem, num_splits=2, centroid_major=centroid_major)
         _assert_close(out, ref, case["query"].dtype)
 
 
@@ -180,3 +181,14 @@ def test_property_matches_reference(batch, kv_heads, group, head_dim, archived, 
                      recent=recent, dtype=dtype, code_dtype=code_dtype, seed=archived,
                      **lengths)
     check(case, num_splits=splits)
+
+
+def test_trusted_path_runs_the_kernel():
+    from kernels_cases import coded_cache
+
+    from kernels import decode_attention
+
+    case = make_case(q_heads=8, kv_heads=2, archived_lengths=[40, 9], recent_lengths=[1, 3])
+    out = decode_attention(case["query"], coded_cache(case), scale=32 ** -0.5, backend="triton")
+    _assert_close(out, reference_decode_attention(**case, out_dtype=torch.float32),
+                  case["query"].dtype)

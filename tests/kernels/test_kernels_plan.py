@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kernels._rvq_onehot import MAX_ACC, MAX_OPERAND, Plan  # noqa: E402
+from kernels._onehot_plan import MAX_ACC, MAX_OPERAND, Plan  # noqa: E402
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
@@ -43,42 +43,43 @@ def test_variant_choice_and_bad_variant():
     import torch
     from kernels_cases import make_case
 
-    from kernels import _rvq_triton
+    from kernels import _plan
     from kernels._validate import validate_decode_args
+    from kernels.rvq_decode import triton_decode
 
     def problem(**kw):
         return validate_decode_args(**make_case(**kw))
 
-    assert _rvq_triton.choose_variant(problem(batch=1, q_heads=8, kv_heads=2)) == "onehot"
-    assert _rvq_triton.choose_variant(problem(batch=3, q_heads=8, kv_heads=2)) == "onehot"
-    assert _rvq_triton.choose_variant(problem(batch=1, q_heads=4, kv_heads=4)) == "onehot"
-    assert _rvq_triton.choose_variant(problem(batch=3, q_heads=4, kv_heads=4)) == "atomic"
+    assert _plan.choose_variant(problem(batch=1, q_heads=8, kv_heads=2)) == "onehot"
+    assert _plan.choose_variant(problem(batch=3, q_heads=8, kv_heads=2)) == "onehot"
+    assert _plan.choose_variant(problem(batch=1, q_heads=4, kv_heads=4)) == "onehot"
+    assert _plan.choose_variant(problem(batch=3, q_heads=4, kv_heads=4)) == "atomic"
     with pytest.raises(ValueError, match="variant"):
-        _rvq_triton.decode(problem(dtype=torch.float16), variant="fast")
+        triton_decode(problem(dtype=torch.float16), variant="fast")
 
 
 @pytest.mark.parametrize("tuning", [{"block_n": 48}, {"block_c": 8}, {"block_n": 0}])
 def test_bad_block_sizes_are_refused(tuning):
     from kernels_cases import make_case
 
-    from kernels import _rvq_onehot
+    from kernels import _onehot
     from kernels._validate import validate_decode_args
 
     problem = validate_decode_args(**make_case())
     name = next(iter(tuning))
     with pytest.raises(ValueError, match=f"{name} must be a power of two >= 16"):
-        _rvq_onehot.decode(problem, **tuning)
+        _onehot.decode(problem, **tuning)
 
 
 def test_bad_prefetch_is_refused():
     from kernels_cases import make_case
 
-    from kernels import _rvq_onehot
+    from kernels import _onehot
     from kernels._validate import validate_decode_args
 
     problem = validate_decode_args(**make_case())
     with pytest.raises(ValueError, match="prefetch must be >= 0, got -1"):
-        _rvq_onehot.decode(problem, prefetch=-1)
+        _onehot.decode(problem, prefetch=-1)
 
 
 # the H200's best counts, measured on Qwen3-8B shapes (132 multiprocessors, 3 resident programs)
@@ -91,13 +92,13 @@ def test_bad_prefetch_is_refused():
     (396, 10**6, 1),  # the sequences alone fill every slot
 ])
 def test_split_count_follows_the_measured_best(programs, capacity, expected):
-    from kernels._rvq_onehot import _best_splits
+    from kernels._onehot_plan import _best_splits
 
     assert _best_splits(programs, capacity, 132, 3, 128) == expected
 
 
 def test_lone_programs_cost_more_per_position():
-    from kernels._rvq_onehot import LOAD_SLOWDOWN, _rounds_cost
+    from kernels._onehot_plan import LOAD_SLOWDOWN, _rounds_cost
 
     assert _rounds_cost(1, 3) == LOAD_SLOWDOWN[1] > 1
     assert _rounds_cost(3, 3) == 3 and _rounds_cost(6, 3) == 6
@@ -111,8 +112,8 @@ def test_lone_programs_cost_more_per_position():
        sms=st.integers(1, 256), resident=st.integers(1, 4),
        block_n=st.sampled_from([16, 64, 128]))
 def test_split_count_is_what_the_kernel_runs(programs, capacity, sms, resident, block_n):
-    from kernels._rvq_onehot import MAX_SPLITS, MIN_SPLIT_LEN, _best_splits
-    from kernels._rvq_triton import split_layout
+    from kernels._onehot_plan import MAX_SPLITS, MIN_SPLIT_LEN, _best_splits
+    from kernels._plan import split_layout
 
     splits = _best_splits(programs, capacity, sms, resident, block_n)
     assert 1 <= splits <= MAX_SPLITS
@@ -124,7 +125,7 @@ def test_split_count_is_what_the_kernel_runs(programs, capacity, sms, resident, 
 def test_choose_num_splits_uses_resident_programs():
     from kernels_cases import make_case
 
-    from kernels._rvq_onehot import _best_splits, choose_num_splits, plan_for, resident_programs
+    from kernels._onehot_plan import _best_splits, choose_num_splits, plan_for, resident_programs
     from kernels._validate import validate_decode_args
 
     problem = validate_decode_args(**make_case(batch=2, q_heads=8, kv_heads=2, archived=5000,
@@ -139,14 +140,14 @@ def test_choose_num_splits_uses_resident_programs():
 def test_centroid_block_fills_the_multiprocessors():
     from kernels_cases import make_case
 
-    from kernels._rvq_onehot import _block_c, plan_for
+    from kernels._onehot_plan import default_block_c, plan_for
     from kernels._validate import validate_decode_args
 
     # the CPU stands in for 4 multiprocessors: 1 x 1 x 2 stages x 1 block of 64 < 4
     small = validate_decode_args(**make_case(batch=1, q_heads=2, kv_heads=1, archived=10))
-    assert _block_c(small, plan_for(small)) == 32
+    assert default_block_c(small, plan_for(small)) == 32
     wide = validate_decode_args(**make_case(batch=2, q_heads=4, kv_heads=2, archived=10))
-    assert _block_c(wide, plan_for(wide)) == 64
+    assert default_block_c(wide, plan_for(wide)) == 64
 
 
 @pytest.mark.parametrize("num_warps, value_stages_p, block_n, expected", [
@@ -160,7 +161,7 @@ def test_centroid_block_fills_the_multiprocessors():
 ])
 def test_position_parts_give_each_warp_a_batch_entry(num_warps, value_stages_p, block_n,
                                                      expected):
-    from kernels._rvq_onehot import position_parts
+    from kernels._onehot_plan import position_parts
 
     parts = position_parts(num_warps, value_stages_p, block_n)
     assert parts == expected
@@ -168,7 +169,7 @@ def test_position_parts_give_each_warp_a_batch_entry(num_warps, value_stages_p, 
 
 
 def test_score_table_layout_follows_key_stages():
-    from kernels._rvq_onehot import CENTROID_MAJOR_STAGES, Plan
+    from kernels._onehot_plan import CENTROID_MAJOR_STAGES, Plan
 
     assert not Plan(4, 2, 256, CENTROID_MAJOR_STAGES - 1, 256).centroid_major
     assert Plan(4, 2, 256, CENTROID_MAJOR_STAGES, 256).centroid_major
@@ -196,7 +197,7 @@ def test_one_hot_kernel_bounds_its_score_tables():
     import torch
     from kernels_cases import make_case
 
-    from kernels._rvq_onehot import supports
+    from kernels._onehot_plan import supports
     from kernels._validate import validate_decode_args
 
     def case(batch):
@@ -213,26 +214,27 @@ def test_programs_beyond_a_grid_axis_are_refused_not_launched():
     # (batch, kv head, chunk) programs share a CUDA grid axis of at most 65,535
     from kernels_cases import make_case
 
-    from kernels import _rvq_onehot, _rvq_triton
+    from kernels import _atomic, _onehot_plan, _plan
     from kernels._validate import validate_decode_args
+    from kernels.rvq_decode import triton_decode
 
     def case(batch):
         return validate_decode_args(**make_case(batch=batch, q_heads=1, kv_heads=1, head_dim=8,
                                                 archived=1, key_stages=1, value_stages=1,
                                                 sinks=None, recent=None))
 
-    assert _rvq_triton.supports(case(_rvq_triton.MAX_GRID_Y))
-    too_many = case(_rvq_triton.MAX_GRID_Y + 1)
-    assert not _rvq_triton.supports(too_many) and not _rvq_onehot.supports(too_many)
+    assert _atomic.supports(case(_plan.MAX_GRID_Y))
+    too_many = case(_plan.MAX_GRID_Y + 1)
+    assert not _atomic.supports(too_many) and not _onehot_plan.supports(too_many)
     with pytest.raises(ValueError, match="batch x kv_heads x head chunks is 65536 programs"):
-        _rvq_triton.decode(too_many)
+        triton_decode(too_many)
 
 
 def test_kernels_take_histograms_up_to_the_atomic_limit():
     import torch
     from kernels_cases import make_case
 
-    from kernels._rvq_triton import supports
+    from kernels._atomic import supports
     from kernels._validate import validate_decode_args
 
     fits = validate_decode_args(**make_case(codebook_size=16))

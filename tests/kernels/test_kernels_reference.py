@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from kernels_cases import make_case
+from kernels_cases import coded_cache, make_case
 
 from kernels import dequantize_rvq, reference_decode_attention, rvq_decode_attention
 
@@ -176,3 +176,50 @@ def test_dequantize_checks_its_codes():
     with pytest.raises(ValueError, match="codes must have dtype uint8 or int16"):
         dequantize_rvq(case["key_codes"].float(), books)
     dequantize_rvq(case["key_codes"], books)  # in range: fine
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"sinks": None, "recent": None},
+    {"archived_lengths": [40, 7], "sink_lengths": [0, 2], "recent_lengths": [3, 1]},
+])
+def test_trusted_path_equals_the_validated_call(kw):
+    from kernels import decode_attention, validate_coded_cache
+
+    case = make_case(**kw)
+    cache = coded_cache(case)
+    want = rvq_decode_attention(**case, scale=0.2, backend="torch")
+    got = decode_attention(case["query"], cache, scale=0.2, backend="torch")
+    assert torch.equal(got, want)
+    checked = validate_coded_cache(case["query"], cache)
+    assert checked.archived_lengths.dtype == torch.int32
+    assert torch.equal(decode_attention(case["query"], checked, scale=0.2, backend="torch"), want)
+
+
+def test_validate_coded_cache_names_what_is_wrong():
+    from kernels import validate_coded_cache
+
+    case = make_case()
+    cache = coded_cache(case)
+    bad = cache.__class__(**{**cache.__dict__, "value_codes": cache.value_codes[:, :, :5]})
+    with pytest.raises(ValueError, match="key_codes .* and value_codes .* same number"):
+        validate_coded_cache(case["query"], bad)
+    too_big = cache.__class__(**{**cache.__dict__,
+                                 "key_codes": cache.key_codes.clone().fill_(16)})
+    with pytest.raises(ValueError, match="key_codes holds codes from 16 to 16"):
+        validate_coded_cache(case["query"], too_big)
+    validate_coded_cache(case["query"], too_big, check_codes=False)  # told not to look
+    with pytest.raises(TypeError, match="kernels.CodedCache"):
+        validate_coded_cache(case["query"], case)
+
+
+def test_auto_is_one_decision_and_cpu_runs_the_reference():
+    from kernels import decode_attention, kernel_takes
+
+    case = make_case()
+    cache = coded_cache(case)
+    assert not kernel_takes(case["query"], cache)  # CPU tensors: never a kernel
+    want = reference_decode_attention(**case)
+    assert torch.equal(decode_attention(case["query"], cache, scale=32 ** -0.5), want)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        decode_attention(case["query"], cache, scale=1.0, backend="cuda")

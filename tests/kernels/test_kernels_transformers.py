@@ -54,7 +54,7 @@ print(json.dumps({
     "logits_shape": list(logits.shape),
     "logits_finite": bool(torch.isfinite(logits).all()),
     "generated_shape": list(generated.shape),
-    "kernels_imported_torch_free": "kernels._rvq_triton" not in sys.modules,
+    "kernels_imported_torch_free": "kernels._atomic" not in sys.modules,
 }))
 """
 

@@ -39,5 +39,20 @@ def make_case(*, batch=2, q_heads=4, kv_heads=2, head_dim=32, archived=40, key_s
     return case
 
 
+def coded_cache(case):
+    """The ``kernels.CodedCache`` of a case (absent exact segments as empty tensors)."""
+    from kernels import CodedCache
+
+    q = case["query"]
+    empty = q.new_zeros(q.shape[0], case["key_codebooks"].shape[0], 0, q.shape[2])
+    return CodedCache(
+        case["key_codes"], case["value_codes"], case["key_codebooks"], case["value_codebooks"],
+        case.get("sink_keys", empty), case.get("sink_values", empty),
+        case.get("recent_keys", empty), case.get("recent_values", empty),
+        sink_lengths=case.get("sink_lengths"), archived_lengths=case.get("archived_lengths"),
+        recent_lengths=case.get("recent_lengths"))
+
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()

@@ -1,8 +1,8 @@
 """Triton kernels for decode attention on residual-VQ codes (split over the sequence).
 
-This module holds the atomic-add kernel and :func:`decode`, which picks it or the one-hot
-kernel of ``kernels/_rvq_onehot.py`` per problem. The atomic kernel is four launches per call,
-none of which forms a dense key or value of the archived part:
+The atomic-add variant (``kernels/_onehot.py`` is the other; ``kernels/rvq_decode.py`` picks
+one per problem). Four launches per call, none of which forms a dense key or value of the
+archived part:
 
 1. ``_score_table_kernel``: the table ``q . C_k[stage, c]`` for every query head, key stage and
    key centroid, pre-multiplied by ``scale * log2(e)`` so the softmax can use ``exp2``.
@@ -27,91 +27,38 @@ position and stage instead of reading a ``head_dim`` vector.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from kernels._validate import MAX_SPLITS, DecodeProblem, check_num_splits
-from kernels._variants import VARIANTS, variant_for
+from kernels._common import (
+    LOG2E,
+    NEG_BIG,
+    exact_tokens,
+    head_base,
+    launchable,
+    program_heads,
+)
+from kernels._plan import (
+    MAX_GRID_Y,
+    MAX_HISTOGRAM_COLUMNS,
+    MAX_SPLITS,
+    block_positions,
+    grid_rows,
+    heads_per_program,
+    histogram_columns,
+    multiprocessors,
+    pow2,
+    problem_dims,
+    split_layout,
+    supports_shape,
+)
+from kernels._validate import check_num_splits
+from kernels.coded_cache import DecodeProblem
 
-LOG2E = 1.4426950408889634
-MAX_HEADS_PER_PROGRAM = 16  # query heads of one GQA group handled together (they share codes)
-NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(NEG_BIG - NEG_BIG) stays 1
-MAX_HISTOGRAM_COLUMNS = 1 << 16  # value stages x codebook size (padded to a power of two)
 MAX_REPLICAS = 8  # copies of each head's histogram that the splits share out
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis: (batch, kv head, chunk) programs
-
-
-@triton.jit
-def _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS, BLOCK_G: tl.constexpr,
-                   BLOCK_M: tl.constexpr):
-    """What a program over (batch, kv head, chunk of the group) serves: ``(b, kvh, chunk, g,
-    g_ok, heads)``, with ``g`` the chunk's query heads within the group in ``BLOCK_M >=
-    BLOCK_G`` rows (rows past ``BLOCK_G`` or past the group masked) and ``heads`` their
-    query-head indices."""
-    chunk = pid_bhg % GROUP_CHUNKS
-    kvh = (pid_bhg // GROUP_CHUNKS) % KV_HEADS
-    b = pid_bhg // (GROUP_CHUNKS * KV_HEADS)
-    row = tl.arange(0, BLOCK_M)
-    g = chunk * BLOCK_G + row
-    g_ok = (row < BLOCK_G) & (g < GROUP)
-    return b, kvh, chunk, g, g_ok, kvh * GROUP + g
-
-
-@triton.jit
-def _head_base(ptr, b, kvh, sb, sh):
-    """``ptr`` advanced to sequence ``b``, kv head ``kvh``, in 64-bit arithmetic (a code tensor
-    can pass 2^31 elements: 4 key stages at 128K positions, batch 512, Qwen3-8B shapes)."""
-    return ptr + b.to(tl.int64) * sb + kvh.to(tl.int64) * sh
-
-
-@triton.jit
-def _exact_tokens(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, b, kvh, heads,
-                  ok, d, d_ok, qk_scale, q_sb, q_sh, sk_sb, sk_sh, sk_sn, sv_sb, sv_sh, sv_sn,
-                  rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn, BLOCK_M: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Online softmax of query heads ``heads`` (rows where ``ok``) of sequence ``b`` over the
-    exact sink and recent tokens of kv head ``kvh``: ``(m, l, acc)`` as in
-    :func:`_exact_segment`, ``BLOCK_M`` rows."""
-    q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
-                mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    m, l, acc = _exact_segment(q, sk_ptr + b * sk_sb + kvh * sk_sh,
-                               sv_ptr + b * sv_sb + kvh * sv_sh, tl.load(slen_ptr + b),
-                               m, l, acc, sk_sn, sv_sn, d, d_ok, qk_scale, BLOCK_E)
-    return _exact_segment(q, rk_ptr + b * rk_sb + kvh * rk_sh,
-                          rv_ptr + b * rv_sb + kvh * rv_sh, tl.load(rlen_ptr + b),
-                          m, l, acc, rk_sn, rv_sn, d, d_ok, qk_scale, BLOCK_E)
-
-
-@triton.jit
-def _exact_segment(q, k_base, v_base, n_tokens, m, l, acc, k_sn, v_sn, d, d_ok, qk_scale,
-                   BLOCK_E: tl.constexpr):
-    """Online softmax of ``q`` (float32, rows of heads) over ``n_tokens`` exact keys and values,
-    merged into ``(m, l, acc)``; scores are ``q . k * qk_scale`` (log2 units). ``q`` holds
-    float16 / bfloat16 values, exact in tf32, as are the keys and values; the weights are
-    rounded to tf32 (relative 2^-11) for the product with the values."""
-    for n0 in range(0, n_tokens, BLOCK_E):
-        n = n0 + tl.arange(0, BLOCK_E)
-        n_ok = n < n_tokens
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + n[:, None] * k_sn + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + n[:, None] * v_sn + d[None, :], mask=kv_mask, other=0.0)
-        score = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="tf32") * qk_scale
-        score = tl.where(n_ok[None, :], score, float("-inf"))
-        m_new = tl.maximum(m, tl.max(score, axis=1))
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(score - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="tf32")
-        m = m_new
-    return m, l, acc
 
 
 @triton.jit
@@ -124,7 +71,7 @@ def _score_table_kernel(q_ptr, cb_ptr, table_ptr, qk_scale,
     pid_bhg = tl.program_id(0)
     stage = tl.program_id(1)
     pid_c = tl.program_id(2)
-    b, kvh, _, g, g_ok, heads = _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
+    b, kvh, _, g, g_ok, heads = program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
                                                BLOCK_G, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -161,7 +108,7 @@ def _split_max_kernel(table_ptr, kc_ptr, alen_ptr, mx_ptr, hist_ptr, l_ptr,
                       BLOCK_Z: tl.constexpr):
     split = tl.program_id(0)
     pid_bhg = tl.program_id(1)
-    b, kvh, _, g, g_ok, heads = _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
+    b, kvh, _, g, g_ok, heads = program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
                                                BLOCK_G, BLOCK_G)
 
     if split == 0:  # the histogram kernel accumulates with atomics: start it from zero
@@ -176,7 +123,7 @@ def _split_max_kernel(table_ptr, kc_ptr, alen_ptr, mx_ptr, hist_ptr, l_ptr,
     start = split * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, n_archived)
     table_rows = table_ptr + b * t_sb + heads[:, None] * t_sh
-    kc_base = _head_base(kc_ptr, b, kvh, kc_sb, kc_sh)
+    kc_base = head_base(kc_ptr, b, kvh, kc_sb, kc_sh)
     m = tl.full([BLOCK_G, BLOCK_N], NEG_BIG, tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -198,7 +145,7 @@ def _value_histogram_kernel(table_ptr, kc_ptr, vc_ptr, alen_ptr, mx_ptr, hist_pt
                             BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
     split = tl.program_id(0)
     pid_bhg = tl.program_id(1)
-    b, kvh, _, g, g_ok, heads = _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
+    b, kvh, _, g, g_ok, heads = program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
                                                BLOCK_G, BLOCK_G)
 
     n_archived = tl.load(alen_ptr + b)
@@ -210,8 +157,8 @@ def _value_histogram_kernel(table_ptr, kc_ptr, vc_ptr, alen_ptr, mx_ptr, hist_pt
                         mask=g_ok[:, None] & (splits[None, :] < NUM_SPLITS), other=NEG_BIG)
         m = tl.max(m_all, axis=1)
         table_rows = table_ptr + b * t_sb + heads[:, None] * t_sh
-        kc_base = _head_base(kc_ptr, b, kvh, kc_sb, kc_sh)
-        vc_base = _head_base(vc_ptr, b, kvh, vc_sb, vc_sh)
+        kc_base = head_base(kc_ptr, b, kvh, kc_sb, kc_sh)
+        vc_base = head_base(vc_ptr, b, kvh, vc_sb, vc_sh)
         # splits spread over a few histogram copies: fewer atomics meet at one address
         hist_rows = hist_ptr + b * h_sb + heads[:, None] * h_sh + (split % REPLICAS) * COLUMNS
         l = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
@@ -248,11 +195,11 @@ def _exact_and_combine_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, r
                               BLOCK_C: tl.constexpr):
     # BLOCK_G heads of the group, in BLOCK_M >= 16 rows so that tl.dot applies
     pid_bhg = tl.program_id(0)
-    b, kvh, _, g, g_ok, heads = _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
+    b, kvh, _, g, g_ok, heads = program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
                                                BLOCK_G, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    m, l, acc = _exact_tokens(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr,
+    m, l, acc = exact_tokens(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr,
                               b, kvh, heads, g_ok, d, d_ok, qk_scale, q_sb, q_sh,
                               sk_sb, sk_sh, sk_sn, sv_sb, sv_sh, sv_sn,
                               rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn, BLOCK_M, BLOCK_D, BLOCK_E)
@@ -287,72 +234,20 @@ def _exact_and_combine_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, r
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
-def interpreted() -> bool:
-    """Whether Triton's CPU interpreter runs these kernels (``TRITON_INTERPRET`` at import)."""
-    return isinstance(_score_table_kernel, InterpretedFunction)
-
-
-def _launchable(exact: torch.Tensor) -> torch.Tensor:
-    """An exact K/V segment with unit stride over head_dim and at least one (unread) slot."""
-    if exact.shape[2] == 0:
-        return exact.new_zeros(exact.shape[0], exact.shape[1], 1, exact.shape[3])
-    return exact if exact.stride(3) == 1 else exact.contiguous()
-
-
-def _pow2(x: int, floor: int = 1) -> int:
-    return max(floor, triton.next_power_of_2(int(x)))
-
-
-def split_layout(capacity: int, num_splits: int, block_n: int) -> tuple[int, int]:
-    """``(split length, splits)`` for about ``num_splits`` splits of ``capacity`` positions:
-    lengths are whole blocks of ``block_n``, and no split is left empty (so there may be
-    fewer)."""
-    split_len = max(block_n, math.ceil(max(capacity, 1) / num_splits / block_n) * block_n)
-    return split_len, max(1, math.ceil(capacity / split_len))
-
-
-def histogram_columns(value_stages: int, value_codebook_size: int) -> int:
-    """Columns of the value histogram of one query head (codebook padded to a power of two)."""
-    return value_stages * _pow2(value_codebook_size)
-
-
 def supports(problem: DecodeProblem) -> bool:
     """Whether a kernel variant takes this problem (:func:`supports_shape`)."""
-    _, stages, size, _ = problem.value_codebooks.shape
+    _, stages, size, _ = problem.cache.value_codebooks.shape
     return supports_shape(problem.batch, problem.q_heads, problem.kv_heads, stages, size)
-
-
-def supports_shape(batch: int, q_heads: int, kv_heads: int, value_stages: int,
-                   value_codebook: int) -> bool:
-    """Whether a kernel variant takes problems of these shapes: the atomic kernel takes every
-    one whose value histogram fits ``MAX_HISTOGRAM_COLUMNS`` and whose (batch, kv head, chunk)
-    programs fit ``MAX_GRID_Y``; the one-hot kernel a subset."""
-    return (histogram_columns(value_stages, value_codebook) <= MAX_HISTOGRAM_COLUMNS
-            and _rows(batch, q_heads, kv_heads) <= MAX_GRID_Y)
 
 
 def _grid_rows(problem: DecodeProblem) -> int:
     """(batch, kv head, head chunk) programs of the atomic kernel."""
-    return _rows(problem.batch, problem.q_heads, problem.kv_heads)
-
-
-def _rows(batch: int, q_heads: int, kv_heads: int) -> int:
-    group = q_heads // kv_heads
-    return batch * kv_heads * math.ceil(group / heads_per_program(group))
-
-
-def heads_per_program(group: int) -> int:
-    return min(MAX_HEADS_PER_PROGRAM, _pow2(group))
-
-
-def block_positions(group: int) -> int:
-    """Positions per loop step: about 256 (head, position) pairs in flight per program."""
-    return max(32, 256 // heads_per_program(group))
+    return grid_rows(problem.batch, problem.q_heads, problem.kv_heads)
 
 
 def choose_num_splits(problem: DecodeProblem) -> int:
     """Enough splits for a few waves of programs over the GPU, never empty ones."""
-    capacity = problem.key_codes.shape[2]
+    capacity = problem.cache.key_codes.shape[2]
     if capacity == 0:
         return 1
     group = problem.q_heads // problem.kv_heads
@@ -360,59 +255,17 @@ def choose_num_splits(problem: DecodeProblem) -> int:
     return max(1, min(wanted, math.ceil(capacity / block_positions(group)), MAX_SPLITS))
 
 
-@functools.lru_cache(maxsize=16)
-def multiprocessors(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (asked once per device: a decode call needs it up to
-    three times); the CPU (Triton's interpreter) stands in for 4."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
-DEFAULT_VARIANT = "auto"  # choose_variant per problem
-
-
-def choose_variant(problem: DecodeProblem) -> str:
-    """The variant measured faster for this kind of problem (:func:`variant_for`)."""
-    return variant_for(problem.q_heads // problem.kv_heads, problem.batch)
-
-
-def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
-           variant: str | None = None) -> torch.Tensor:
-    """Decode attention on a validated problem; returns ``(batch, q_heads, head_dim)``.
-
-    ``variant``: ``"onehot"`` (``kernels/_rvq_onehot.py``: histogram by one-hot products,
-    four launches), ``"atomic"`` (this module: histogram by atomic adds, four launches) or
-    ``"auto"`` (:func:`choose_variant`); ``None`` means ``DEFAULT_VARIANT``. Problems the
-    one-hot kernel cannot hold (value histograms above its register budget) run the atomic one.
-    """
-    variant = DEFAULT_VARIANT if variant is None else variant
-    if variant not in (*VARIANTS, "auto"):
-        raise ValueError(f"variant must be one of {(*VARIANTS, 'auto')}, got {variant!r}")
-    if variant == "auto":
-        variant = choose_variant(problem)
-    if variant == "onehot":
-        from kernels import _rvq_onehot
-
-        if _rvq_onehot.supports(problem, num_splits, num_warps):
-            return _rvq_onehot.decode(problem, num_splits=num_splits, num_warps=num_warps)
-    return decode_atomic(problem, num_splits=num_splits, num_warps=num_warps)
-
-
-def decode_atomic(problem: DecodeProblem, *, num_splits: int | None = None,
-                  num_warps: int = 4) -> torch.Tensor:
+def decode(problem: DecodeProblem, *, num_splits: int | None = None,
+           num_warps: int = 4) -> torch.Tensor:
     """Run the four kernels on a validated problem; returns ``(batch, q_heads, head_dim)``."""
     p = problem
-    batch, q_heads, head_dim = p.query.shape
-    kv_heads = p.kv_heads
-    group = q_heads // kv_heads
-    key_stages, key_codebook = p.key_codebooks.shape[1:3]
-    value_stages, value_codebook = p.value_codebooks.shape[1:3]
+    (batch, q_heads, head_dim, kv_heads, group, key_stages, key_codebook, value_stages,
+     value_codebook) = problem_dims(p)
     columns = histogram_columns(value_stages, value_codebook)
     if columns > MAX_HISTOGRAM_COLUMNS:
         raise ValueError(
             f"the value histogram would have {columns} "
-            f"columns per head (value_codebooks {tuple(p.value_codebooks.shape)}); at most "
+            f"columns per head (value_codebooks {tuple(p.cache.value_codebooks.shape)}); at most "
             f"{MAX_HISTOGRAM_COLUMNS} are supported")
     if _grid_rows(p) > MAX_GRID_Y:
         raise ValueError(
@@ -424,11 +277,11 @@ def decode_atomic(problem: DecodeProblem, *, num_splits: int | None = None,
     check_num_splits(num_splits)
     block_g = heads_per_program(group)
     block_n = block_positions(group)
-    capacity = p.key_codes.shape[2]
+    capacity = p.cache.key_codes.shape[2]
     split_len, num_splits = split_layout(capacity, num_splits, block_n)
     device = p.query.device
     chunks = math.ceil(group / block_g)
-    block_d = _pow2(head_dim, 16)
+    block_d = pow2(head_dim, 16)
     qk_scale = p.scale * LOG2E
 
     table = torch.empty(batch, q_heads, key_stages, key_codebook, dtype=torch.float32,
@@ -439,45 +292,46 @@ def decode_atomic(problem: DecodeProblem, *, num_splits: int | None = None,
                           dtype=torch.float32, device=device)
     split_max, weight_sum, hist = (scratch[..., :num_splits], scratch[..., num_splits],
                                    scratch[..., num_splits + 1:])
-    block_c = min(32, _pow2(key_codebook))
+    block_c = min(32, pow2(key_codebook))
     _score_table_kernel[(batch * kv_heads * chunks, key_stages, triton.cdiv(key_codebook,
                                                                            block_c))](
-        p.query, p.key_codebooks, table, qk_scale,
+        p.query, p.cache.key_codebooks, table, qk_scale,
         p.query.stride(0), p.query.stride(1),
-        *p.key_codebooks.stride()[:3],
+        *p.cache.key_codebooks.stride()[:3],
         *table.stride()[:3],
         kv_heads, group, chunks, key_codebook, head_dim,
         BLOCK_G=block_g, BLOCK_C=block_c, BLOCK_D=block_d, num_warps=num_warps)
 
-    kc, vc = p.key_codes, p.value_codes
+    kc, vc = p.cache.key_codes, p.cache.value_codes
     if capacity == 0:  # no archived slot at all: give the launcher real (never read) memory
         kc = kc.new_zeros(batch, kv_heads, 1, key_stages)
         vc = vc.new_zeros(batch, kv_heads, 1, value_stages)
     grid = (num_splits, batch * kv_heads * chunks)
     _split_max_kernel[grid](
-        table, kc, p.archived_lengths, split_max, hist, weight_sum,
+        table, kc, p.cache.archived_lengths, split_max, hist, weight_sum,
         *table.stride()[:3], *kc.stride(),
         split_max.stride(0), split_max.stride(1), hist.stride(0), hist.stride(1),
         weight_sum.stride(0), weight_sum.stride(1),
         kv_heads, group, chunks, split_len, replicas * columns,
         KEY_STAGES=key_stages, BLOCK_G=block_g, BLOCK_N=block_n,
-        BLOCK_Z=min(1024 // block_g, _pow2(replicas * columns)), num_warps=num_warps)
+        BLOCK_Z=min(1024 // block_g, pow2(replicas * columns)), num_warps=num_warps)
     _value_histogram_kernel[grid](
-        table, kc, vc, p.archived_lengths, split_max, hist, weight_sum,
+        table, kc, vc, p.cache.archived_lengths, split_max, hist, weight_sum,
         *table.stride()[:3], *kc.stride(), *vc.stride(),
         split_max.stride(0), split_max.stride(1), hist.stride(0), hist.stride(1),
         weight_sum.stride(0), weight_sum.stride(1),
         kv_heads, group, chunks, split_len, num_splits, columns, replicas,
         KEY_STAGES=key_stages, VALUE_STAGES=value_stages,
-        VALUE_CODEBOOK_P=_pow2(value_codebook), BLOCK_G=block_g, BLOCK_N=block_n,
-        BLOCK_S=_pow2(num_splits), num_warps=num_warps)
+        VALUE_CODEBOOK_P=pow2(value_codebook), BLOCK_G=block_g, BLOCK_N=block_n,
+        BLOCK_S=pow2(num_splits), num_warps=num_warps)
 
     out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=device)
-    sk, sv, rk, rv = (_launchable(t) for t in (p.sink_keys, p.sink_values, p.recent_keys,
-                                                 p.recent_values))
-    vcb = p.value_codebooks
+    c = p.cache
+    sk, sv, rk, rv = (launchable(t) for t in (c.sink_keys, c.sink_values, c.recent_keys,
+                                                c.recent_values))
+    vcb = p.cache.value_codebooks
     _exact_and_combine_kernel[(batch * kv_heads * chunks,)](
-        p.query, sk, sv, rk, rv, p.sink_lengths, p.recent_lengths,
+        p.query, sk, sv, rk, rv, p.cache.sink_lengths, p.cache.recent_lengths,
         split_max, weight_sum, hist, vcb, out, qk_scale,
         p.query.stride(0), p.query.stride(1),
         *sk.stride()[:3], *sv.stride()[:3], *rk.stride()[:3], *rv.stride()[:3],
@@ -486,8 +340,8 @@ def decode_atomic(problem: DecodeProblem, *, num_splits: int | None = None,
         *vcb.stride()[:3],
         out.stride(0), out.stride(1),
         kv_heads, group, chunks, num_splits, head_dim, value_codebook, columns,
-        VALUE_STAGES=value_stages, VALUE_CODEBOOK_P=_pow2(value_codebook), REPLICAS=replicas,
+        VALUE_STAGES=value_stages, VALUE_CODEBOOK_P=pow2(value_codebook), REPLICAS=replicas,
         BLOCK_G=block_g, BLOCK_M=max(16, block_g), BLOCK_D=block_d, BLOCK_E=16,
-        BLOCK_S=_pow2(num_splits), BLOCK_C=min(64, _pow2(value_codebook, 16)),
+        BLOCK_S=pow2(num_splits), BLOCK_C=min(64, pow2(value_codebook, 16)),
         num_warps=num_warps)
     return out

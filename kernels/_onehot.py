@@ -35,35 +35,32 @@ on the H200 (docs/kernels.md).
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels._rvq_triton import (
+from kernels._common import (
     LOG2E,
-    MAX_GRID_Y,
     NEG_BIG,
-    _exact_tokens,
-    _head_base,
-    _launchable,
-    _pow2,
-    _program_heads,
+    exact_tokens,
+    head_base,
     interpreted,
-    multiprocessors,
-    split_layout,
+    launchable,
+    program_heads,
 )
-from kernels._validate import MAX_SPLITS, DecodeProblem, check_num_splits
+from kernels._onehot_plan import (
+    MAX_REGISTERS,
+    PREFETCH_STEPS,
+    choose_num_splits,
+    default_block_c,
+    group_chunks,
+    plan_for,
+    position_parts,
+)
+from kernels._plan import pow2, problem_dims, split_layout
+from kernels._validate import check_num_splits
+from kernels.coded_cache import DecodeProblem
 
-MIN_CODEBOOK = 256  # codebooks are padded to at least 16 x 16 (tl.dot needs 16 rows and columns)
-MAX_ACC = 4096  # float32 histogram entries per program (registers)
-MAX_OPERAND = 8192  # entries of either one-hot operand per block (16 KB of shared memory)
-MAX_SCRATCH_BYTES = 256 << 20  # score tables and the split programs' value histograms
-# H200, Qwen3-8B shapes: the centroid-major table was up to 4% faster with 4 key stages (batch
-# 8 and 32) and 1-2% slower with 2 (docs/kernels.md)
-CENTROID_MAJOR_STAGES = 4
 REF_HEADROOM = tl.constexpr(8.0)  # weights up to 2^8 against the score bound (float16 safe)
 REF_SLACK = tl.constexpr(4.0)  # best weight below 2^-4: redo the split with its true maximum
 
@@ -168,7 +165,7 @@ def _table_kernel(q_ptr, kcb_ptr, tab_ptr, smax_ptr, qk_scale, q_sb, q_sh,
     stage_block = pid % (KEY_STAGES * TABLE_BLOCKS)
     s = stage_block // TABLE_BLOCKS
     block = stage_block % TABLE_BLOCKS
-    b, kvh, _, _, row_ok, heads_row = _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
+    b, kvh, _, _, row_ok, heads_row = program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
                                                      BLOCK_G, BLOCK_M)
     row = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
@@ -213,11 +210,11 @@ def _split_kernel(q_ptr, kc_ptr, vc_ptr, alen_ptr,
     pid_bhg = tl.program_id(1)
     if split == NUM_SPLITS:  # the exact sink and recent tokens of these heads
         # BLOCK_G heads in BLOCK_M >= 16 rows (tl.dot needs 16)
-        b, kvh, _, _, row_ok, heads_row = _program_heads(pid_bhg, KV_HEADS, GROUP,
+        b, kvh, _, _, row_ok, heads_row = program_heads(pid_bhg, KV_HEADS, GROUP,
                                                          GROUP_CHUNKS, BLOCK_G, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
-        m_out, l_out, o_out = _exact_tokens(
+        m_out, l_out, o_out = exact_tokens(
             q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, b, kvh, heads_row,
             row_ok, d, d_ok, qk_scale, q_sb, q_sh, sk_sb, sk_sh, sk_sn, sv_sb, sv_sh, sv_sn,
             rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn, BLOCK_M, BLOCK_D, BLOCK_E)
@@ -236,8 +233,8 @@ def _split_kernel(q_ptr, kc_ptr, vc_ptr, alen_ptr,
             tab = tab_ptr + pid_bhg.to(tl.int64) * (KEY_STAGES * BLOCK_G * KEY_CODEBOOK_P)
             g = tl.arange(0, BLOCK_G)
             g_ok = chunk * BLOCK_G + g < GROUP
-            kc_base = _head_base(kc_ptr, b, kvh, kc_sb, kc_sh)
-            vc_base = _head_base(vc_ptr, b, kvh, vc_sb, vc_sh)
+            kc_base = head_base(kc_ptr, b, kvh, kc_sb, kc_sh)
+            vc_base = head_base(vc_ptr, b, kvh, vc_sb, vc_sh)
             # a fixed softmax reference instead of a running maximum: no per-block reductions
             # or rescaling. The largest score any position could reach is the sum over stages
             # of the table's row maxima; weights are at most 2^REF_HEADROOM in float16.
@@ -286,7 +283,7 @@ def _value_kernel(vcb_ptr, hist_ptr, mla_ptr, alen_ptr, o_ptr, ml_ptr,
     piece = tl.program_id(1)
     c_blocks = tl.cdiv(VALUE_CODEBOOK, BLOCK_C)
     s = piece // c_blocks
-    b, kvh, _, _, row_ok, heads_row = _program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
+    b, kvh, _, _, row_ok, heads_row = program_heads(pid_bhg, KV_HEADS, GROUP, GROUP_CHUNKS,
                                                      BLOCK_G, BLOCK_M)
     g = tl.arange(0, BLOCK_G)
     c = (piece % c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -365,71 +362,6 @@ def _combine_kernel(o_ptr, ml_ptr, out_ptr, o_sb, o_sh, o_sp, ml_sb, ml_sh, ml_s
     tl.store(out_ptr + b * out_sb + h * out_sh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _floor_pow2(x: int) -> int:
-    return 1 << (max(1, x).bit_length() - 1)
-
-
-class Plan:
-    """Block sizes of the one-hot kernel for one problem shape (``supported``: whether the
-    value histogram fits a program).
-
-    A code splits as ``c = hi * LO + lo``; per position and value stage the kernel reads two
-    identity rows (``HI`` and ``LO`` entries) and multiplies ``heads * HI`` of them by the
-    weights, so ``LO`` near ``sqrt(heads * codebook)`` balances the two operands.
-    The score table is centroid-major (``centroid_major``: a position's heads in one load)
-    when a program has several heads and ``CENTROID_MAJOR_STAGES`` key stages or more;
-    otherwise it is head-major.
-    ``hi_bits``, ``block_n`` and ``centroid_major`` override the defaults (tuning).
-    """
-
-    def __init__(self, group: int, value_stages: int, value_codebook: int, key_stages: int,
-                 key_codebook: int, hi_bits: int | None = None, block_n: int | None = None,
-                 centroid_major: bool | None = None):
-        self.value_stages_p = _pow2(value_stages)
-        self.codebook_p = _pow2(value_codebook, MIN_CODEBOOK)
-        self.key_codebook_p = _pow2(key_codebook)
-        block_g = min(_pow2(group), max(1, MAX_ACC // (self.value_stages_p * self.codebook_p)))
-        self.block_g = block_g
-        bits = self.codebook_p.bit_length() - 1
-        if hi_bits is None:
-            hi_bits = bits - round(math.log2(block_g * self.codebook_p) / 2)
-        # LO >= 16 rows and BLOCK_G * HI >= 16 columns (tl.dot)
-        min_hi_bits = max(0, 4 - (block_g.bit_length() - 1))
-        self.lo_bits = max(4, min(bits - min_hi_bits, bits - hi_bits))
-        self.lo = 1 << self.lo_bits
-        self.hi = self.codebook_p >> self.lo_bits
-        self.eye = max(self.hi, self.lo)  # the identity both one-hot factors are read from
-        if block_n is None:
-            per_position = self.value_stages_p * max(block_g * self.hi, self.lo)
-            block_n = max(16, min(128, _floor_pow2(MAX_OPERAND // per_position)))
-        self.block_n = block_n
-        self.supported = self.value_stages_p * block_g * self.codebook_p <= MAX_ACC
-        if centroid_major is None:
-            # with one head per program both layouts address the same memory, and the
-            # head-major expression compiled faster (H200, GPT-2 shapes, 4 key stages)
-            centroid_major = key_stages >= CENTROID_MAJOR_STAGES and block_g > 1
-        self.centroid_major = bool(centroid_major)
-
-    def table_floats(self, key_stages: int) -> int:
-        """Floats of one (batch, kv head, chunk)'s score table."""
-        return key_stages * self.block_g * self.key_codebook_p
-
-    @property
-    def hist_floats(self) -> int:
-        """Floats of one split program's value histogram."""
-        return self.value_stages_p * self.block_g * self.codebook_p
-
-
-def plan_for(problem: DecodeProblem, **tuning) -> Plan:
-    """The plan of a problem's shape (shared: a decode step asks for it several times)."""
-    return _plan(problem.q_heads // problem.kv_heads, problem.value_codebooks.shape[1],
-                 problem.value_codebooks.shape[2], problem.key_codebooks.shape[1],
-                 problem.key_codebooks.shape[2], **tuning)
-
-
-_plan = functools.lru_cache(maxsize=256)(Plan)
-
-
 _IDENTITIES: dict = {}
 
 
@@ -443,111 +375,6 @@ def _identity(size: int, device: torch.device) -> torch.Tensor:
         if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             _IDENTITIES[key] = eye
     return eye
-
-
-def supports(problem: DecodeProblem, num_splits: int | None = None,
-             num_warps: int = 4) -> bool:
-    """Whether the one-hot kernel handles this problem (a histogram fits a program, the score
-    tables and the split programs' histograms fit ``MAX_SCRATCH_BYTES``, and the (batch, kv
-    head, chunk) programs fit a grid axis)."""
-    plan = plan_for(problem)
-    if not plan.supported:
-        return False
-    splits = num_splits or choose_num_splits(problem, num_warps)
-    # the count decode runs: split lengths are whole blocks, no split left empty
-    splits = split_layout(problem.key_codes.shape[2], splits, plan.block_n)[1]
-    bhg = problem.batch * problem.kv_heads * _chunks(problem, plan)
-    floats = bhg * (plan.table_floats(problem.key_codebooks.shape[1])
-                    + splits * plan.hist_floats)
-    return floats * 4 <= MAX_SCRATCH_BYTES and bhg <= MAX_GRID_Y
-
-
-def _chunks(problem: DecodeProblem, plan: Plan) -> int:
-    return math.ceil(problem.q_heads // problem.kv_heads / plan.block_g)
-
-
-MAX_REGISTERS = 168  # per thread: three 4-warp programs fit a multiprocessor's 64K registers
-MIN_SPLIT_LEN = 256  # positions per split, at least
-PROGRAM_COST = 256  # a split program's fixed work (reference, histogram store, merge) in positions
-# How much longer a multiprocessor takes per position when it runs only one or two programs
-# (too few loads in flight). H200, Qwen3-8B shapes (docs/kernels.md): at batch 1, 2,048
-# positions took 44.6 us as one program and 33.4 us as two; at batch 32 / 128K, two programs
-# of 128K positions took 1.5x as long as six of 43K (three at a time)
-LOAD_SLOWDOWN = {1: 1.8, 2: 1.1}
-PREFETCH_STEPS = 2  # blocks ahead whose codes are requested into L2
-
-
-def position_parts(num_warps: int, value_stages_p: int, block_n: int) -> int:
-    """Runs each block's positions are cut into so that the batched histogram product has one
-    entry per warp (``num_warps // value_stages_p``, a power of two), while each run keeps the
-    16 positions a tensor-core product needs; at least 1.
-
-    Triton 3.6 gives each warp of a batched ``tl.dot`` its own batch entry; with two value
-    stages and four warps, two warps computed each product. Cutting the block in two took
-    the split launch from 1248 to 984 instructions per block on sm_90 and made calls 1.29x to
-    1.40x faster at batch 8 and 32 on the H200 (1.06x to 1.21x at batch 1;
-    docs/kernels.md)."""
-    parts = max(1, num_warps // value_stages_p)
-    while parts > 1 and block_n // parts < 16:
-        parts //= 2
-    return _floor_pow2(parts)
-
-
-def resident_programs(num_warps: int = 4) -> int:
-    """Programs of ``num_warps`` warps a multiprocessor holds at once (64K registers, each
-    thread capped at ``MAX_REGISTERS``; at least 1)."""
-    return max(1, 65536 // (MAX_REGISTERS * 32 * num_warps))
-
-
-def _rounds_cost(load: int, resident: int) -> float:
-    """Time of ``load`` programs on one multiprocessor, in program lengths: rounds of
-    ``resident`` programs, then the rest, each round slowed down if it holds few programs
-    (``LOAD_SLOWDOWN``)."""
-    full, rest = divmod(load, resident)
-    return (full * resident * LOAD_SLOWDOWN.get(resident, 1.0)
-            + rest * LOAD_SLOWDOWN.get(rest, 1.0))
-
-
-@functools.lru_cache(maxsize=1024)
-def _best_splits(programs_per_split: int, capacity: int, multiprocessors: int, resident: int,
-                 block_n: int) -> int:
-    """The split count that :func:`split_layout` keeps (so the kernel runs exactly it) with the
-    least modelled time ``_rounds_cost(load) x (positions per split + PROGRAM_COST)``, where
-    ``load`` is the most programs a multiprocessor runs."""
-    most = max(1, min(math.ceil(capacity / MIN_SPLIT_LEN), MAX_SPLITS))
-    best = None
-    for wanted in range(1, most + 1):
-        split_len, splits = split_layout(capacity, wanted, block_n)
-        # the exact-token programs are short and are not counted
-        load = math.ceil(programs_per_split * splits / multiprocessors)
-        cost = _rounds_cost(load, resident) * (split_len + PROGRAM_COST)
-        if best is None or cost < best[0]:
-            best = (cost, splits)
-    return best[1]
-
-
-def choose_num_splits(problem: DecodeProblem, num_warps: int = 4) -> int:
-    """The split count with the least modelled time (:func:`_best_splits`). The kernel is bound
-    by each multiprocessor's load units, so a multiprocessor's time is the positions of all the
-    programs it runs (plus their fixed work), whether they are resident together or come in
-    waves, and the busiest one sets the time; one or two programs running alone leave the
-    units idle part of the time (``LOAD_SLOWDOWN``). At most ``capacity / MIN_SPLIT_LEN``
-    splits (rounded up); the H200 sweep in ``docs/kernels.md`` checks the choice."""
-    capacity = problem.key_codes.shape[2]
-    if capacity == 0:
-        return 1
-    plan = plan_for(problem)
-    programs = problem.batch * problem.kv_heads * _chunks(problem, plan)
-    return _best_splits(programs, capacity, multiprocessors(problem.query.device),
-                        resident_programs(num_warps), plan.block_n)
-
-
-def _block_c(problem: DecodeProblem, plan: Plan) -> int:
-    """Centroids per program of the score table and the value merge: 32 when 64 would leave
-    multiprocessors idle (batch 1; H200: 1.07x to 1.15x faster there, 1-2% slower at batch 8)."""
-    pieces = (problem.batch * problem.kv_heads * _chunks(problem, plan)
-              * problem.value_codebooks.shape[1] * math.ceil(problem.value_codebooks.shape[2] / 64))
-    return 32 if pieces < multiprocessors(problem.query.device) else 64
 
 
 def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
@@ -565,11 +392,8 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     for tuning.
     """
     p = problem
-    batch, q_heads, head_dim = p.query.shape
-    kv_heads = p.kv_heads
-    group = q_heads // kv_heads
-    key_stages, key_codebook = p.key_codebooks.shape[1:3]
-    value_stages, value_codebook = p.value_codebooks.shape[1:3]
+    (batch, q_heads, head_dim, kv_heads, group, key_stages, key_codebook, value_stages,
+     value_codebook) = problem_dims(p)
     for name, value in (("block_n", block_n), ("block_c", block_c)):
         if value is not None and (value < 16 or value & (value - 1)):
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
@@ -582,19 +406,19 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     plan = plan_for(p, hi_bits=hi_bits, block_n=block_n, centroid_major=centroid_major)
     if not plan.supported:
-        raise ValueError(f"value_codebooks {tuple(p.value_codebooks.shape)}: the histogram "
+        raise ValueError(f"value_codebooks {tuple(p.cache.value_codebooks.shape)}: the histogram "
                          f"does not fit the one-hot kernel")
     if block_c is None:
-        block_c = _block_c(p, plan)
+        block_c = default_block_c(p, plan)
     if num_splits is None:
         num_splits = choose_num_splits(p, num_warps)
     check_num_splits(num_splits)
-    capacity = p.key_codes.shape[2]
+    capacity = p.cache.key_codes.shape[2]
     block_n = plan.block_n
     split_len, num_splits = split_layout(capacity, num_splits, block_n)
-    chunks = _chunks(p, plan)
+    chunks = group_chunks(p, plan)
     device = p.query.device
-    block_d = _pow2(head_dim, 16)
+    block_d = pow2(head_dim, 16)
     qk_scale = p.scale * LOG2E
     programs = num_splits * batch * kv_heads * chunks
 
@@ -609,13 +433,14 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     parts = pieces + 1  # the last part holds the exact tokens
     o_part = torch.empty(batch, q_heads, parts, head_dim, dtype=torch.float32, device=device)
     ml_part = torch.empty(batch, q_heads, parts, 2, dtype=torch.float32, device=device)
-    kc, vc = p.key_codes, p.value_codes
+    kc, vc = p.cache.key_codes, p.cache.value_codes
     if capacity == 0:  # no archived slot at all: give the launcher real (never read) memory
         kc = kc.new_zeros(batch, kv_heads, 1, key_stages)
         vc = vc.new_zeros(batch, kv_heads, 1, value_stages)
-    sk, sv, rk, rv = (_launchable(t) for t in (p.sink_keys, p.sink_values, p.recent_keys,
-                                                 p.recent_values))
-    kcb, vcb = p.key_codebooks, p.value_codebooks
+    c = p.cache
+    sk, sv, rk, rv = (launchable(t) for t in (c.sink_keys, c.sink_values, c.recent_keys,
+                                                c.recent_values))
+    kcb, vcb = p.cache.key_codebooks, p.cache.value_codebooks
     heads = dict(BLOCK_G=plan.block_g, BLOCK_M=max(16, plan.block_g), BLOCK_D=block_d)
     _table_kernel[(bhg * key_stages * table_blocks,)](
         p.query, kcb, tab, smax, qk_scale, p.query.stride(0), p.query.stride(1),
@@ -625,8 +450,8 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
         num_warps=num_warps)
     compile_options = {"maxnreg": MAX_REGISTERS} if nvidia else {}
     _split_kernel[(num_splits + 1, bhg)](
-        p.query, kc, vc, p.archived_lengths,
-        sk, sv, rk, rv, p.sink_lengths, p.recent_lengths,
+        p.query, kc, vc, p.cache.archived_lengths,
+        sk, sv, rk, rv, p.cache.sink_lengths, p.cache.recent_lengths,
         tab, smax, hist, ml_arch, _identity(plan.eye, device), o_part, ml_part, qk_scale,
         p.query.stride(0), p.query.stride(1),
         *kc.stride(), *vc.stride(),
@@ -640,7 +465,7 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
         K_PARTS=position_parts(num_warps, plan.value_stages_p, block_n), **heads,
         num_warps=num_warps, num_stages=num_stages, **compile_options)
     _value_kernel[(bhg, pieces)](
-        vcb, hist, ml_arch, p.archived_lengths, o_part, ml_part, *vcb.stride()[:3],
+        vcb, hist, ml_arch, p.cache.archived_lengths, o_part, ml_part, *vcb.stride()[:3],
         *o_part.stride()[:3], *ml_part.stride()[:3],
         kv_heads, group, chunks, split_len, num_splits, head_dim, value_codebook,
         VALUE_STAGES_P=plan.value_stages_p, CODEBOOK_P=plan.codebook_p, BLOCK_C=block_c,
@@ -649,5 +474,5 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     _combine_kernel[(batch * q_heads,)](
         o_part, ml_part, out, *o_part.stride()[:3], *ml_part.stride()[:3],
         out.stride(0), out.stride(1), q_heads, parts, head_dim,
-        BLOCK_P=min(32, _pow2(parts)), BLOCK_D=block_d, num_warps=num_warps)
+        BLOCK_P=min(32, pow2(parts)), BLOCK_D=block_d, num_warps=num_warps)
     return out
