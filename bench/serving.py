@@ -82,7 +82,7 @@ def drive(cache, keys, values, n: int, chunk: int):
         for li in range(len(keys)):
             cache.update(keys[li][:, :, idx], values[li][:, :, idx], li)
             if codes_only:
-                cache.layers[li].attention_state()  # what the attention function does
+                cache.layers[li].coded_cache()  # what the attention function does
 
 
 def measure_memory(model, q, ids, sizes, window, chunk):

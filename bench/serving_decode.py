@@ -67,7 +67,7 @@ def fill(cache, shape, n, device, dtype, chunk=8192):
             v = torch.randn(1, shape.kv_heads, m, shape.head_dim, generator=g, device=device)
             cache.update(k.to(dtype), v.to(dtype), li)
             if codes_only:
-                cache.layers[li].attention_state()
+                cache.layers[li].coded_cache()
 
 
 @torch.no_grad()
