@@ -454,6 +454,7 @@ def fork(
     fork; the shared past stays in the parent (opened read-only while the fork is open), so
     any number of forks cost no copy of it. The parent must not be cropped below the fork point
     afterwards (a fork then refuses to open). Cropping the fork below the fork point is refused.
+    ``allow_different_weights`` as in :func:`resume`.
     """
     parent = resume(parent_path, model, mode="r", backend=backend,
                     allow_different_weights=allow_different_weights)
