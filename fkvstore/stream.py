@@ -360,9 +360,7 @@ class Stream(SearchMixin):
         """Drop rows ``n, n+1, ...``. Cutting into committed rows commits at once (durably)."""
         self._check_open()
         self._session.check_writable()
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-            raise TypeError(f"truncate takes an int row count, got {type(n).__name__} {n!r}")
-        n = int(n)
+        n = _validate.integer(n, "the row count given to truncate")
         if not 0 <= n <= len(self):
             raise PositionError(
                 f"cannot truncate stream {self.name!r} of {len(self)} rows to {n} rows"
