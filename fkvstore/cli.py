@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 
 import fkvstore
+from fkvstore import _validate
+from fkvstore._progress import progress_bar
 from fkvstore.codec import Codec
 from fkvstore.errors import FkvError
 
@@ -22,33 +24,6 @@ __all__ = ["main"]
 
 class CliError(Exception):
     """A user error the command reports as ``fkv: <message>`` with exit status 2."""
-
-
-def progress_bar(total: int, desc: str, enabled: bool = True, unit: str = "chunk"):
-    """A tqdm bar on stderr, or a do-nothing stand-in when tqdm is missing or disabled."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
-    if tqdm is None or not enabled:
-        return _NoBar()
-    return tqdm(
-        total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False, file=sys.stderr
-    )
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
 
 
 def _parse_range(text: str, length: int, name: str = "") -> tuple[int, int]:
@@ -89,14 +64,20 @@ def cmd_info(args) -> int:
             for key, value in s.attrs.items():
                 print(f"    attr {key} = {value!r}")
         for name in ar.array_names():
-            arr = ar._h5()["arrays"][name]
-            print(f"  array {name!r}: {arr.dtype} {arr.shape}")
+            dtype, shape = ar.array_info(name)
+            print(f"  array {name!r}: {dtype} {shape}")
     return 0
+
+
+def _chunks(s) -> int:
+    """Stored chunks of complete spans of stream ``s`` (what ``verify`` checks, besides the
+    open span)."""
+    return -(-(s.committed_length // s.span) // s.block_spans)
 
 
 def cmd_verify(args) -> int:
     with fkvstore.open(args.file) as ar:
-        total = sum(-(-ar[n]._commit.full_spans // ar[n].block_spans) + 1 for n in ar)
+        total = sum(_chunks(ar[n]) + 1 for n in ar)
         with progress_bar(total, "verify", not args.quiet) as bar:
             report = ar.verify(bar.update)
     bad = {name: probs for name, probs in report.items() if probs}
@@ -164,8 +145,7 @@ def cmd_append(args) -> int:
         kind, width, alphabet_size = "text", 1, 256
     elif args.alphabet_size is not None:
         Codec(args.alphabet_size, args.geometry)  # raises naming a bad size
-        if args.width < 1:
-            raise CliError(f"--width must be >= 1, got {args.width}")
+        _validate.integer(args.width, "--width", low=1)
         kind, width, alphabet_size = "symbols", args.width, args.alphabet_size
     else:
         raise CliError(
