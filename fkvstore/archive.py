@@ -22,6 +22,7 @@ import numpy as np
 from fkvstore import _validate, layout
 from fkvstore._attrs import Attrs
 from fkvstore._session import MODES, Session
+from fkvstore._version import __version__
 from fkvstore.codec import Codec
 from fkvstore.errors import ArchiveFormatError, FkvError, StreamNotFoundError
 from fkvstore.stream import Stream, TextStream
@@ -32,12 +33,6 @@ DEFAULT_CACHE_BYTES = 64 << 20
 DEFAULT_SPILL_SYMBOLS = 1 << 22
 TEXT_ALPHABET = 256
 _MAX_CHUNK_BYTES = (1 << 32) - 1  # HDF5 refuses larger chunks
-
-
-def _library_version() -> str:
-    from fkvstore import __version__
-
-    return __version__
 
 
 def open(  # noqa: A001 - mirrors h5py.File / builtins.open on purpose
@@ -82,7 +77,7 @@ class Archive:
         self.mode = mode
         self.writable = mode != "r"
         self._streams: dict[str, Stream] = {}
-        self._session = Session(self.path, mode, _library_version())
+        self._session = Session(self.path, mode, __version__)
 
     # -- state -------------------------------------------------------------------------------
     @property
