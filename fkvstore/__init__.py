@@ -4,14 +4,20 @@ The core is a lossless iterated-map ("chaos game") codec (:mod:`fkvstore.codec`)
 stream of integer symbols into 2-D points, one stored point per span of symbols.
 
 ``import fkvstore`` never imports torch, triton or transformers.
+
+The modules form layers (the README's "Architecture" table, which ``tests/test_layers.py``
+checks against every import): errors and input checks; the codec (``codec/``); the suffix
+index (``index/``); the HDF5 layout; the open file (``_session``: modes, lock, recovery, SWMR,
+the one commit); a stream's stored points (``_stored``), search and ``Stream``; the
+``Archive`` facade; then the demo and the ``fkv`` command.
 """
 
 from __future__ import annotations
 
-from fkvstore.archive import Archive, Stream, TextStream, open
+from fkvstore._version import __version__
+from fkvstore.archive import Archive, open
 from fkvstore.codec import Codec
 from fkvstore.errors import FkvError
-
-__version__ = "0.1.0"
+from fkvstore.stream import Stream, TextStream
 
 __all__ = ["Archive", "Codec", "FkvError", "Stream", "TextStream", "__version__", "open"]

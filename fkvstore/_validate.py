@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 
@@ -135,3 +137,39 @@ def integer(value, name: str, *, low: int | None = None, high: int | None = None
     if high is not None and value > high:
         raise ValueError(f"{name} must be <= {high}, got {value}")
     return value
+
+
+_NAME = re.compile(r"^[^/.][^/]*$")
+
+
+def object_name(value: object, what: str) -> str:
+    """``value`` as the name of a stream or array: a non-empty str without '/' that does not
+    start with '.'; TypeError/ValueError naming it."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} name must be a str, got {type(value).__name__} {value!r}")
+    if not _NAME.match(value):
+        raise ValueError(
+            f"invalid {what} name {value!r}: use a non-empty name without '/' that does not "
+            "start with '.'"
+        )
+    return value
+
+
+def storable_array(array, name: str) -> np.ndarray:
+    """``array`` as a numpy array HDF5 stores as is (numeric, bool or fixed-size bytes)."""
+    arr = np.asarray(array)
+    if arr.dtype.kind not in "biufcS":
+        raise TypeError(
+            f"array {name!r} has dtype {arr.dtype}, which HDF5 cannot store as is; use a numeric,"
+            " bool or fixed-size bytes array (encode text with .astype('S'))"
+        )
+    return arr
+
+
+def positive_int(value, name: str) -> int:
+    """``value`` as an int >= 1; ValueError naming it for anything else (a size argument of the
+    archive, where a wrong type has always been a ValueError too)."""
+    try:
+        return integer(value, name, low=1)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a positive int, got {value!r}") from None

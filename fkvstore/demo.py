@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 import fkvstore
+from fkvstore._progress import progress_bar
 
 __all__ = ["STEPS", "DemoState", "load_book", "main"]
 
@@ -48,8 +49,6 @@ class DemoState:
     results: dict = field(default_factory=dict)
 
     def bar(self, total: int, desc: str, unit: str = "B"):
-        from fkvstore.cli import progress_bar
-
         return progress_bar(total, desc, not self.quiet, unit=unit)
 
 
@@ -65,8 +64,7 @@ def step_archive(st: DemoState) -> None:
                 s.extend(st.book[a : a + piece])
                 bar.update(min(piece, len(st.book) - a))
         ar.flush()
-        c = s._commit
-        stored = (c.full_spans + (1 if c.tail_count else 0)) * 16 * s.width
+        stored = s.codec.num_spans(s.committed_length) * 16 * s.width  # points of 2 float64
         st.results.update(span=s.span, stored=stored)
     st.results["archive_s"] = time.perf_counter() - t0
     print(f"archived {len(st.book):,} bytes of {st.source}")

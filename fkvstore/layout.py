@@ -1,7 +1,8 @@
 """How an archive lies in its HDF5 file: names, attributes, datasets and the commit record.
 
-Everything here speaks h5py and numpy only; :mod:`fkvstore.archive` builds the user-facing
-objects on top. ``docs/format.md`` describes the same layout for readers without fkvstore.
+Everything here speaks h5py and numpy only; :mod:`fkvstore._session`, :mod:`fkvstore._stored`,
+:mod:`fkvstore.stream` and :mod:`fkvstore.archive` build the user-facing objects on top.
+``docs/format.md`` describes the same layout for readers without fkvstore.
 
 File ::
 
@@ -49,6 +50,7 @@ __all__ = [
     "read_commit",
     "read_stream_info",
     "read_tail",
+    "stream_path",
     "write_block",
     "write_commit",
     "write_tail",
@@ -109,6 +111,11 @@ class StreamInfo:
 def checksum(rows: np.ndarray, value: int = 0) -> int:
     """CRC-32 (zlib) of the little-endian float64 bytes of ``rows``, continuing from ``value``."""
     return zlib.crc32(np.ascontiguousarray(rows, dtype=POINT_DTYPE), value)
+
+
+def stream_path(name: str) -> str:
+    """The absolute path of stream ``name``'s group."""
+    return f"/{STREAMS}/{name}"
 
 
 def block_spans_for(width: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:

@@ -1,5 +1,5 @@
 """Search methods of archive streams: :class:`SearchMixin` gives every
-:class:`~fkvstore.archive.Stream` ``search``, ``longest_suffix``, ``context`` and
+:class:`~fkvstore.stream.Stream` ``search``, ``longest_suffix``, ``context`` and
 ``build_index``, on top of :class:`~fkvstore.index.SuffixIndex`.
 
 A stream keeps one index per searched column, built from the archive on first use. It is kept
@@ -83,12 +83,12 @@ class SearchMixin:
         key_column = self._search_column(column)  # a bad column commits nothing
         if persist:
             self._check_open()
-            self._ar._check_writable()
+            self._session.check_writable()
             if self._nbuf:
-                self._ar._commit([self])
+                self._session.commit([self._stage])
         index = self._search_index(column)
         if persist:
-            c = self._commit
+            c = self._stored.commit
             # every array carries the same tag, so a set torn by a killed writer is ignored
             tag = {"index_id": uuid.uuid4().hex, "length": c.length,
                    "generation": c.generation, "rewinds": c.rewinds,
@@ -96,6 +96,12 @@ class SearchMixin:
             for name, array in index.state().items():
                 self.put_aux_array(_KEY.format(key_column, name), array, tag)
         return index
+
+    def has_saved_index(self, column: int = 0) -> bool:
+        """Whether the archive holds a stored index of ``column`` (``build_index(persist=
+        True)``); a stale or damaged one is still rebuilt when a query runs."""
+        names = set(self.aux_array_names())
+        return all(_KEY.format(self._search_column(column), n) in names for n in _STATE)
 
     # ------------------------------------------------------------------ internals
     def _search_query(self, query):
@@ -132,7 +138,7 @@ class SearchMixin:
         keys = {name: _KEY.format(column, name) for name in _STATE}
         if not set(keys.values()) <= set(self.aux_array_names()):
             return None
-        c = self._commit
+        c = self._stored.commit
         state, tag = {}, None
         try:
             for name, key in keys.items():

@@ -315,6 +315,21 @@ def test_array_errors(path):
         assert ar.array_names() == []
 
 
+def test_array_info_reads_no_data(tmp_archive):
+    tmp_archive.put_array("codebooks", np.zeros((4, 256, 8), np.float32))
+    assert tmp_archive.array_info("codebooks") == (np.dtype(np.float32), (4, 256, 8))
+    with pytest.raises(StreamNotFoundError, match="no array 'nope' .*arrays: 'codebooks'"):
+        tmp_archive.array_info("nope")
+    path = tmp_archive.path
+    tmp_archive.close()
+    with h5py.File(path, "r+", locking=False) as f:  # damage the data, not the header
+        f["arrays/codebooks"][0, 0, 0] = 1.0
+    with fkvstore.open(path) as ar:
+        assert ar.array_info("codebooks")[1] == (4, 256, 8)
+        with pytest.raises(ChecksumError):
+            ar.get_array("codebooks")
+
+
 def test_aux_arrays_beside_a_stream(path):
     with fkvstore.open(path, "w") as ar:
         s = ar.create_stream("s", 4)

@@ -68,7 +68,7 @@ def test_growing_index_equals_fresh_one(args, cuts):
 
 @pytest.mark.parametrize("geometry", ["grid", "ring"])
 def test_logarithmic_method_keeps_few_trees(geometry, monkeypatch):
-    import fkvstore.index as ix
+    import fkvstore.index.suffix as ix  # the module that reads _BUFFER
 
     monkeypatch.setattr(ix, "_BUFFER", 64)
     rng = np.random.default_rng(3)
@@ -127,7 +127,7 @@ def test_text_queries_and_bad_input():
 
 @pytest.mark.parametrize("geometry", ["grid", "ring"])
 def test_state_round_trip_restores_trees(geometry, monkeypatch):
-    import fkvstore.index as ix
+    import fkvstore.index.suffix as ix  # the module that reads _BUFFER
 
     monkeypatch.setattr(ix, "_BUFFER", 256)
     rng = np.random.default_rng(11)

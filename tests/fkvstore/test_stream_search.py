@@ -81,34 +81,32 @@ def test_text_stream_search_context_and_persisted_index(tmp_path):
         s.search("Time")
 
 
-def test_wide_stream_columns_and_bad_input(tmp_path):
+def test_wide_stream_columns_and_bad_input(tmp_archive):
     rng = np.random.default_rng(0)
     rows = rng.integers(0, 4, (500, 3))
-    with fkvstore.open(tmp_path / "w.h5", "w") as ar:
-        s = ar.create_stream("kv", alphabet_size=300, width=3)
-        s.extend(rows)
-        for col in range(3):
-            q = rows[100:104, col].tolist()
-            assert s.search(q, column=col).tolist() == naive.find_all(rows[:, col].tolist(), q)
-        assert np.array_equal(s.context(10, 2, 2), rows[8:13])
-        assert np.array_equal(s.context(10, 2, 2, column=1), rows[8:13, 1])
-        with pytest.raises(ValueError, match="column must be <= 2, got 3"):
-            s.search([1], column=3)
-        with pytest.raises(ValueError, match="empty query"):
-            s.search([])
-        with pytest.raises(ValueError, match="got 300"):
-            s.search([1, 300])
-        with pytest.raises(ValueError, match="pos must be <= 499"):
-            s.context(500)
+    s = tmp_archive.create_stream("kv", alphabet_size=300, width=3)
+    s.extend(rows)
+    for col in range(3):
+        q = rows[100:104, col].tolist()
+        assert s.search(q, column=col).tolist() == naive.find_all(rows[:, col].tolist(), q)
+    assert np.array_equal(s.context(10, 2, 2), rows[8:13])
+    assert np.array_equal(s.context(10, 2, 2, column=1), rows[8:13, 1])
+    with pytest.raises(ValueError, match="column must be <= 2, got 3"):
+        s.search([1], column=3)
+    with pytest.raises(ValueError, match="empty query"):
+        s.search([])
+    with pytest.raises(ValueError, match="got 300"):
+        s.search([1, 300])
+    with pytest.raises(ValueError, match="pos must be <= 499"):
+        s.context(500)
 
 
-def test_bad_column_of_a_persisted_index_commits_nothing(tmp_path):
-    with fkvstore.open(tmp_path / "c.h5", "w") as ar:
-        s = ar.create_stream("s", alphabet_size=5)
-        s.extend([1, 2, 3])
-        with pytest.raises(ValueError, match="column must be <= 0, got 5"):
-            s.build_index(column=5, persist=True)
-        assert s.committed_length == 0
+def test_bad_column_of_a_persisted_index_commits_nothing(tmp_archive):
+    s = tmp_archive.create_stream("s", alphabet_size=5)
+    s.extend([1, 2, 3])
+    with pytest.raises(ValueError, match="column must be <= 0, got 5"):
+        s.build_index(column=5, persist=True)
+    assert s.committed_length == 0
 
 
 def test_persisted_index_describes_committed_rows_only(tmp_path):

@@ -80,18 +80,14 @@ def _coded_case():
                      codebook_size=256, sinks=4, recent=32, device="cuda")
 
 
-def test_gpu_call_never_waits_for_the_gpu():
+def test_gpu_call_never_waits_for_the_gpu(no_gpu_sync):
     case = _coded_case()
     lengths = torch.tensor([5000, 1234], device="cuda")
     expected = rvq_decode_attention(**case, archived_lengths=lengths)  # checked: reads back
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_gpu_sync():
         default = rvq_decode_attention(**case, check_codes=False)
         ragged = rvq_decode_attention(**case, archived_lengths=lengths, check_codes=False,
                                       check_lengths=False)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(ragged, expected, rtol=0, atol=0)
     torch.testing.assert_close(default, rvq_decode_attention(**case), rtol=0, atol=0)
 
@@ -117,7 +113,7 @@ def test_gpu_call_replays_from_a_cuda_graph():
         torch.testing.assert_close(out, call(), rtol=0, atol=0, msg=f"replay {step}")
 
 
-def test_gpu_trusted_path_runs_the_kernel_without_waiting():
+def test_gpu_trusted_path_runs_the_kernel_without_waiting(no_gpu_sync):
     from kernels_cases import coded_cache
 
     from kernels import decode_attention, kernel_takes
@@ -126,10 +122,6 @@ def test_gpu_trusted_path_runs_the_kernel_without_waiting():
     cache = coded_cache(case)
     assert kernel_takes(case["query"], cache)
     expected = rvq_decode_attention(**case, scale=0.1)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_gpu_sync():
         out = decode_attention(case["query"], cache, scale=0.1)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(out, expected, rtol=0, atol=0)

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -27,10 +28,13 @@ import pytest
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 
+# run with -S: the environment's site-packages go on the path without their .pth files, so an
+# editable install of this project there (its import hook) cannot answer for the one under test
 PROBE = r"""
 import importlib.util, json, site, sys
-for d in SITE_DIRS:
+for d in SITE_DIRS:  # first: their .pth files import hooks whose module names ours share
     site.addsitedir(d)
+sys.path.extend(BASE_DIRS)
 import torch
 import transformers
 from transformers.utils import import_utils
@@ -64,9 +68,10 @@ def run_probe(site_dirs, pythonpath, cwd):
     env.pop("PYTHONPATH", None)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    code = PROBE.replace("SITE_DIRS", repr([str(d) for d in site_dirs]))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    code = PROBE.replace("SITE_DIRS", repr([str(d) for d in site_dirs])).replace(
+        "BASE_DIRS", repr(site.getsitepackages()))
+    proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -95,9 +100,11 @@ def test_model_runs_with_the_project_installed_editable(tmp_path):
         shutil.copytree(ROOT / package, source / package,
                         ignore=shutil.ignore_patterns("__pycache__"))
     prefix = tmp_path / "prefix"
+    installed_before = importable_elsewhere(tmp_path)
+    # --ignore-installed: never uninstall the environment's own copy of the project
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--no-index", "--prefix", str(prefix), "-e", str(source)],
+         "--no-index", "--ignore-installed", "--prefix", str(prefix), "-e", str(source)],
         capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stderr[-4000:]
     site_dirs = list(prefix.glob("lib*/python*/site-packages"))
@@ -109,6 +116,18 @@ def test_model_runs_with_the_project_installed_editable(tmp_path):
     # transformers reads the version of the distribution that ships `kernels`: ours
     assert result["found"] and result["version"] == project_version()
     check_model_ran(result)
+    assert importable_elsewhere(tmp_path) == installed_before, \
+        "installing into the prefix changed the environment's own install"
+
+
+def importable_elsewhere(tmp_path) -> bool:
+    """Whether this environment imports fkvstore from outside the repository (its install)."""
+    away = tmp_path / "away"
+    away.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", "import fkvstore, kernels"], cwd=away, env=env,
+                          capture_output=True, timeout=120)
+    return proc.returncode == 0
 
 
 def project_version() -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from fkvstore._codec_kernels import grid_decode, ring_decode
+from fkvstore.codec._kernels import grid_decode, ring_decode
 
 
 @njit(cache=True, nogil=True)

@@ -24,10 +24,10 @@ import numpy as np
 import scipy
 from scipy.spatial import cKDTree
 
-from fkvstore import _index_kernels as _ik
 from fkvstore._validate import integer, raise_out_of_range, symbol_array
 from fkvstore.codec import Codec
 from fkvstore.errors import InvalidPointError
+from fkvstore.index import _kernels as _ik
 
 __all__ = ["TREE_FORMAT", "SuffixIndex"]
 

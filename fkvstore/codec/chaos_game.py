@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from fkvstore import _codec_kernels as _k
 from fkvstore._validate import integer, raise_out_of_range, symbol_array
+from fkvstore.codec import _kernels as _k
 from fkvstore.errors import InvalidPointError
 
 __all__ = ["Codec", "GEOMETRIES", "kissing_ratio"]

@@ -1,4 +1,4 @@
-"""Numba kernels of the chaos-game codec (see :mod:`fkvstore.codec` for the definitions).
+"""Numba kernels of the chaos-game codec (:mod:`fkvstore.codec.chaos_game` has the definitions).
 
 Every kernel works on a batch of W parallel streams: symbols ``(n, W)``, points ``(S, W, 2)``.
 All are compiled with ``cache=True`` and without fastmath, so the float64 results are the same
@@ -16,7 +16,7 @@ import math
 import numpy as np
 from numba import njit
 
-# reasons a point is rejected (decoded by fkvstore.codec)
+# reasons a point is rejected (decoded by fkvstore.codec.chaos_game)
 BAD_RANGE = 1  # outside the attractor's bounding region (or NaN)
 BAD_FRACTION = 2  # grid: bits below the span's last digit are set
 BAD_SYMBOL = 3  # grid: a cell that is no symbol (alphabet smaller than k*k)

@@ -1,0 +1,342 @@
+"""The open HDF5 file behind an archive: modes, the writer lock, recovery, SWMR and the commit.
+
+A :class:`Session` is what the user-facing objects (:class:`~fkvstore.archive.Archive`,
+:class:`~fkvstore.stream.Stream`, :class:`~fkvstore._attrs.Attrs`) share. They reach the file
+only through its small interface:
+
+``h5``
+    the open ``h5py.File`` (:class:`~fkvstore.errors.ArchiveClosedError` once closed);
+``check_open()``, ``check_writable()``
+    raise unless the archive is open, or the archive may be changed;
+``structural()``
+    a context in which objects and attributes may be created or deleted (outside SWMR mode);
+``bind(group_path, ...)`` / ``unbind(group_path)``
+    register a stream: it gets its group again whenever ``structural()`` reopens the file, is
+    detached on close, and its buffered rows are committed by ``flush()``;
+``commit(stages)``
+    THE two-phase commit (appends, spills, truncations, flushes all go through it): data, an
+    HDF5 flush, the commit records, another flush.
+
+Writers work in HDF5's single-writer/multiple-reader (SWMR) mode; ``docs/archive.md`` gives the
+guarantees and ``docs/format.md`` the layout.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import h5py
+
+from fkvstore import layout
+from fkvstore._lock import WriterLock
+from fkvstore._superblock import clear_status_flags, open_cleared_view, read_superblock
+from fkvstore.errors import (
+    ArchiveClosedError,
+    ArchiveExistsError,
+    ArchiveFormatError,
+    ArchiveLockedError,
+    ArchiveNotFoundError,
+    ArchiveReadOnlyError,
+)
+
+__all__ = ["LIBVER", "MODES", "Pending", "Session"]
+
+MODES = ("r", "r+", "a", "w", "w-", "x")
+LIBVER = ("v110", "v110")  # the oldest format with SWMR: readable by HDF5 >= 1.10
+_FLAG_ERRORS = ("already open for write", "not already open for SWMR")
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A stream's staged change: its data is written, ``record`` is not yet. ``apply`` runs once
+    the record is durable (the stream takes the new state up)."""
+
+    points: h5py.Dataset  # the dataset whose attribute holds the commit record
+    record: layout.Commit
+    apply: Callable[[], None]
+
+
+class _Member(NamedTuple):
+    """A stream bound to the session (see :meth:`Session.bind`)."""
+
+    rebind: Callable[[h5py.Group], None]
+    detach: Callable[[], None]
+    has_pending: Callable[[], bool]
+    stage: Callable[[], Pending]
+
+
+class Session:
+    """The file of one open archive. ``mode`` as in :func:`fkvstore.open`."""
+
+    def __init__(self, path: str | os.PathLike, mode: str, library_version: str):
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {', '.join(map(repr, MODES))}")
+        self.path = os.fspath(path)
+        self.mode = mode
+        self.writable = mode != "r"
+        self._file: h5py.File | None = None
+        self._lock: WriterLock | None = None
+        self._swmr = False
+        self._members: dict[str, _Member] = {}
+        if mode == "a":
+            mode = "r+" if os.path.exists(self.path) else "w"
+        if mode == "r":
+            self._file = _open_reader(self.path)
+        elif mode == "r+":
+            self._open_writer_existing()
+        else:
+            self._create(exclusive=mode in ("w-", "x"), library_version=library_version)
+
+    # -- the interface the archive's objects use ----------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._file is None
+
+    @property
+    def h5(self) -> h5py.File:
+        """The open file; ArchiveClosedError once the archive is closed."""
+        if self._file is None:
+            raise ArchiveClosedError(
+                f"archive {self.path!r} is closed; open it again with fkvstore.open()"
+            )
+        return self._file
+
+    def check_open(self) -> None:
+        """Raise ArchiveClosedError once the archive is closed."""
+        self.h5  # noqa: B018 - the property raises
+
+    def check_writable(self) -> None:
+        self.check_open()
+        if not self.writable:
+            raise ArchiveReadOnlyError(
+                f"archive {self.path!r} is open read-only (mode 'r'); open it with mode 'a' or "
+                "'r+' to change it"
+            ) from None
+
+    def bind(self, group_path: str, rebind: Callable[[h5py.Group], None], *,
+             detach: Callable[[], None], has_pending: Callable[[], bool],
+             stage: Callable[[], Pending]) -> None:
+        """Register the stream in ``group_path``: ``rebind(group)`` runs now and whenever the
+        file is reopened, ``detach()`` when the stream is deleted or the archive closed;
+        :meth:`flush` commits it through ``stage()`` while ``has_pending()``."""
+        self._members[group_path] = _Member(rebind, detach, has_pending, stage)
+        rebind(self.h5[group_path])
+
+    def unbind(self, group_path: str) -> None:
+        """Detach and forget the stream in ``group_path`` (it was deleted)."""
+        member = self._members.pop(group_path, None)
+        if member is not None:
+            member.detach()
+
+    @contextmanager
+    def structural(self):
+        """Run a change of the file's structure (new objects, attributes) outside SWMR mode.
+
+        HDF5 keeps the file consistent for readers and against a killed writer only for appends
+        made in SWMR mode; creating objects or attributes is not covered, so the file is reopened
+        in ordinary mode for the change and goes back to SWMR mode right after.
+        """
+        self.check_writable()
+        if self._swmr:
+            self._file.close()
+            self._file = _h5_open(self.path, "r+")
+            self._swmr = False
+            for group_path, member in self._members.items():
+                member.rebind(self._file[group_path])
+        try:
+            yield
+        finally:
+            self._enter_swmr()
+
+    def commit(self, stages: Iterable[Callable[[], Pending]]) -> None:
+        """Two-phase commit of the streams whose ``stage()`` callables are given: each writes its
+        data and returns its :class:`Pending` record; after an HDF5 flush the records are
+        written, after another flush every stream applies its new state. A process killed at
+        any point leaves each stream at its old or its new commit."""
+        stages = list(stages)
+        if not stages:
+            return
+        f = self.h5
+        if not self._swmr:
+            self._enter_swmr()
+        pending = [stage() for stage in stages]
+        f.flush()
+        for p in pending:
+            layout.write_commit(p.points, p.record)
+        f.flush()
+        for p in pending:
+            p.apply()
+
+    def flush(self) -> None:
+        """Commit every bound stream that has buffered rows."""
+        self.commit([m.stage for m in self._members.values() if m.has_pending()])
+
+    def close(self) -> None:
+        """Detach every bound stream, close the file and release the writer lock. Idempotent;
+        commits nothing (:meth:`flush` first)."""
+        members, self._members = self._members, {}
+        for member in members.values():
+            member.detach()
+        if self._file is not None:
+            try:
+                self._file.close()
+            finally:
+                self._file = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    # -- opening ------------------------------------------------------------------------------
+    def _open_writer_existing(self) -> None:
+        if not os.path.exists(self.path):
+            raise ArchiveNotFoundError(
+                f"no archive at {self.path!r}; open it with mode 'a' or 'w' to create one"
+            )
+        self._lock = WriterLock(self.path, create=False)
+        try:
+            _recover_if_needed(self.path)
+            try:
+                self._file = _h5_open(self.path, "r+")
+            except (OSError, RuntimeError) as exc:
+                raise ArchiveFormatError(
+                    f"{self.path!r} cannot be opened as an HDF5 archive ({exc}); it may be "
+                    "truncated or damaged"
+                ) from exc
+            layout.check_format(self._file, self.path)
+            self._enter_swmr()
+        except BaseException:
+            self.close()
+            raise
+
+    def _create(self, exclusive: bool, library_version: str) -> None:
+        try:
+            self._lock = WriterLock(self.path, create=True, exclusive_create=exclusive)
+        except FileExistsError:
+            raise ArchiveExistsError(
+                f"{self.path!r} already exists; open it with mode 'a' or 'r+' to add to it, "
+                "or 'w' to replace it"
+            ) from None
+        try:
+            self._file = h5py.File(self.path, "w", libver=LIBVER, locking=False)
+            layout.init_file(self._file, library_version)
+            self._enter_swmr()
+        except BaseException:
+            self.close()
+            raise
+
+    def _enter_swmr(self) -> None:
+        self._file.flush()
+        self._file.swmr_mode = True
+        self._swmr = True
+
+
+def _h5_open(path: str, h5mode: str, **kw) -> h5py.File:
+    return h5py.File(path, h5mode, libver=LIBVER, locking=False, **kw)
+
+
+def _recover_if_needed(path: str) -> None:
+    """Called by a writer holding the lock: a set status flag can only be a dead writer's.
+
+    The file is changed only once it is known to be an fkvstore archive (checked read-only,
+    through a view showing the flags cleared), so a refused file keeps every byte."""
+    try:
+        sb = read_superblock(path)
+        if sb is None:
+            return
+        if sb.status_flags or os.path.getsize(path) < sb.base_address + sb.eof_address:
+            view = open_cleared_view(path)
+            try:
+                try:
+                    f = h5py.File(view, "r")
+                except (OSError, RuntimeError) as exc:
+                    raise ArchiveFormatError(
+                        f"{path!r} cannot be opened as an HDF5 archive ({exc}); it may be "
+                        "truncated or damaged"
+                    ) from exc
+                with f:
+                    layout.check_format(f, path)
+            finally:
+                view.close()
+        clear_status_flags(path)
+    except ArchiveFormatError:
+        raise
+    except OSError as exc:
+        raise ArchiveFormatError(f"{path!r} cannot be read as an HDF5 file: {exc}") from exc
+
+
+def _open_reader(path: str) -> h5py.File:
+    """Open for reading as an SWMR reader, which also works while a writer is (or was) active."""
+    if not os.path.exists(path):
+        raise ArchiveNotFoundError(f"no archive at {path!r}")
+    sb = read_superblock(path)
+    if sb is not None and os.path.getsize(path) < sb.base_address + sb.eof_address:
+        # Shorter than its superblock says. An SWMR reader skips that check and then retries
+        # every unreadable block with growing pauses, so unless a live writer is still
+        # extending the file, read it through the zero-padded view in ordinary mode instead.
+        if not _writer_alive(path):
+            return _open_view(path, None)
+    last: Exception | None = None
+    f = None
+    # a live writer leaves SWMR mode for a moment when it creates streams or attributes
+    for delay in (0.0, 0.01, 0.05, 0.2, 0.5):
+        time.sleep(delay)
+        try:
+            f = _h5_open(path, "r", swmr=True)
+            break
+        except (OSError, RuntimeError) as exc:
+            last = exc
+            if not any(s in str(exc) for s in _FLAG_ERRORS):
+                break
+    if f is None:
+        f = _open_reader_fallback(path, last)
+    try:
+        layout.check_format(f, path)
+    except (KeyError, OSError, RuntimeError) as exc:
+        f.close()
+        raise ArchiveFormatError(f"{path!r} is damaged: {exc}") from exc
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _writer_alive(path: str) -> bool:
+    try:
+        WriterLock(path, create=False, readonly=True).release()
+    except ArchiveLockedError:
+        return True
+    return False
+
+
+def _open_view(path: str, first_error: Exception | None) -> h5py.File:
+    """Open read-only through a view with cleared flags and zero padding (nothing is written)."""
+    view = open_cleared_view(path)
+    try:
+        return h5py.File(view, "r")
+    except (OSError, RuntimeError) as exc:
+        view.close()
+        raise ArchiveFormatError(
+            f"{path!r} is not a readable HDF5 archive ({exc}); it may be truncated or damaged"
+        ) from (first_error or exc)
+
+
+def _open_reader_fallback(path: str, first_error: Exception | None) -> h5py.File:
+    try:
+        return _h5_open(path, "r")  # an HDF5 file without SWMR support: not ours, but readable
+    except (OSError, RuntimeError) as exc:
+        msg = str(exc)
+    if any(s in msg for s in _FLAG_ERRORS):
+        # flags left by a writer that died outside SWMR mode: read through a patched view
+        if _writer_alive(path):
+            raise ArchiveLockedError(
+                f"{path!r} is being restructured by a writer; try again in a moment"
+            ) from first_error
+        return _open_view(path, first_error)
+    raise ArchiveFormatError(
+        f"{path!r} is not a readable HDF5 archive ({msg}); it may be truncated or damaged"
+    ) from first_error
