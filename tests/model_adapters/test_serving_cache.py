@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from adapters_fixtures import TINY_MODELS, torch
 from hypothesis import given
 from hypothesis import strategies as st
+from interpreted import run_interpreted
 from serving_fixtures import (
     caches,
     dense_attention,
@@ -315,15 +314,8 @@ def test_lookup_attention_matches_dense_oracle(
                     reason="this process already interprets: the module runs directly")
 def test_triton_path_under_the_interpreter():
     pytest.importorskip("triton")
-    tests = Path(__file__).resolve().parent
-    root = tests.parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         str(tests / "test_serving_interpreted.py")],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:]
+    out = run_interpreted(Path(__file__).with_name("test_serving_interpreted.py"), timeout=600)
+    assert "1 passed" in out
 
 
 def test_collecting_rows_needs_batch_one_and_forbids_reset():
