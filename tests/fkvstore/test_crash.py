@@ -57,7 +57,7 @@ def check_archive(path: Path, status: cw.Status) -> list[int]:
                 n,
                 status.intended(k),
             )
-            got = s[:]
+            got = s.read()
             np.testing.assert_array_equal(got, cw.expected_rows(name, 0, n), err_msg=name)
             lengths.append(n)
     return lengths

@@ -335,3 +335,32 @@ def test_collecting_rows_needs_batch_one_and_forbids_reset():
     assert plain.get_seq_length() == 0
     step_logits(model, plain, IDS[:, :6], 6)  # usable again
     assert plain.archived_tokens == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_gpu_decode_runs_the_kernel_and_matches_the_reference(arch, monkeypatch):
+    import kernels
+
+    calls = []
+    real = kernels.decode_attention
+
+    def spy(query, cache, **kwargs):
+        calls.append((kwargs["backend"], kernels.kernel_takes(query, cache)))
+        return real(query, cache, **kwargs)
+
+    monkeypatch.setattr(kernels, "decode_attention", spy)
+    model = use_codes_attention(TINY_MODELS[arch]().to(torch.bfloat16).cuda())
+    q = random_quantizer(model)
+    ids = IDS.cuda()
+    window = dict(sinks=2, recent=4)
+    # "torch" on CUDA tensors: the dequantizing reference; "auto": the kernel
+    want = step_logits(model, CodesOnlyCache(model, q, backend="torch", **window), ids, 40)
+    reference_calls, calls[:] = list(calls), []
+    got = step_logits(model, CodesOnlyCache(model, q, backend="auto", **window), ids, 40)
+    assert reference_calls and {b for b, _ in reference_calls} == {"torch"}
+    # "auto" was decided once per step (kernel_takes) and sent to the kernel as "triton"
+    assert calls and all(b == "triton" and takes for b, takes in calls)
+    want, got = want.float(), got.float()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
