@@ -6,6 +6,8 @@ behind the recent window in the codes-only cache; positions leave in groups of `
 
 from __future__ import annotations
 
+from model_adapters._checks import count
+
 __all__ = ["check_window", "crop_target"]
 
 
@@ -13,10 +15,7 @@ def check_window(**counts: int) -> None:
     """Raise ValueError naming the first cache-window count that is not an int >= 0 (``block``:
     >= 1, a group of positions)."""
     for name, v in counts.items():
-        low = 1 if name == "block" else 0
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            kind = "a positive" if low else "a non-negative"
-            raise ValueError(f"{name} must be {kind} int, got {v!r}")
+        count(v, name, low=1 if name == "block" else 0)
 
 
 def crop_target(tokens_to_remove: int, length: int) -> int:

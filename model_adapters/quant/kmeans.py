@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from model_adapters._checks import count
+
 __all__ = ["assign", "kmeans", "kmeans_plus_plus"]
 
 # Points per chunk when computing distances, so a (groups, chunk, k) block stays small.
@@ -20,8 +22,7 @@ def _check_points(points: torch.Tensor, k: int) -> None:
         raise ValueError(f"points must be a (groups, n, dim) tensor, got {shape}")
     if not points.is_floating_point():
         raise TypeError(f"points must be floating point, got {points.dtype}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
+    count(k, "k", low=1)
     if points.shape[1] < k:
         raise ValueError(
             f"k-means with k={k} needs at least {k} points per group, got {points.shape[1]}; "
@@ -159,8 +160,7 @@ def kmeans(
         points keeps its previous centre.
     """
     _check_points(points, k)
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
-        raise ValueError(f"iters must be a non-negative int, got {iters!r}")
+    count(iters, "iters")
     gen = torch.Generator(device=points.device)
     gen.manual_seed(int(seed))
     centroids = kmeans_plus_plus(points, k, gen, sample=init_sample)
