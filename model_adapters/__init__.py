@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import importlib
 
+from model_adapters._checks import require_models_extra
+
 _WHERE = {
     # models: what the code needs to know about an architecture
     "KVShape": "models",
@@ -55,6 +57,8 @@ __all__ = sorted([*_WHERE, *_MODULES])
 
 
 def __getattr__(name: str):
+    if name in _WHERE or name in _MODULES:
+        require_models_extra(f"model_adapters.{name}")
     if name in _WHERE:
         module = importlib.import_module(f"{__name__}.{_WHERE[name]}")
         value = getattr(module, name)

@@ -9,3 +9,22 @@ def count(value, name: str, low: int = 0) -> int:
         kind = "a positive" if low >= 1 else "a non-negative"
         raise ValueError(f"{name} must be {kind} int, got {value!r}")
     return value
+
+
+MODELS_EXTRA = ("torch", "transformers")
+INSTALL_HINT = "pip install torch, then pip install 'fkvstore[models]'"
+
+
+def missing_models_extra() -> list[str]:
+    """The packages of the ``models`` extra that cannot be imported here."""
+    import importlib.util
+
+    return [name for name in MODELS_EXTRA if importlib.util.find_spec(name) is None]
+
+
+def require_models_extra(what: str) -> None:
+    """ImportError naming the ``models`` extra when torch or transformers is missing."""
+    missing = missing_models_extra()
+    if missing:
+        raise ImportError(f"{what} needs the 'models' extra ({', '.join(missing)} missing): "
+                          f"{INSTALL_HINT}")

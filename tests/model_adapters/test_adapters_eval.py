@@ -228,3 +228,48 @@ def test_documented_command_is_light():
                          timeout=120, check=True).stdout
     assert "python -m model_adapters.eval" in out
     assert out.strip().endswith("[]")
+
+
+BLOCK_MODELS_EXTRA = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+sys.meta_path.insert(0, Block())
+importlib.util = __import__("importlib.util").util
+_find = importlib.util.find_spec
+importlib.util.find_spec = lambda n, *a: None if n in ("torch", "transformers") else _find(n, *a)
+"""
+
+
+def run_without_models_extra(code: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", BLOCK_MODELS_EXTRA + code],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_without_the_models_extra_the_errors_name_it():
+    done = run_without_models_extra(
+        "from model_adapters.eval import main\n"
+        "sys.exit(main(['--model', 'nowhere']))")
+    assert done.returncode == 2, done.stderr
+    assert "needs the 'models' extra (torch, transformers missing)" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = run_without_models_extra(
+        "from model_adapters.eval import build_parser\nbuild_parser().parse_args(['--help'])")
+    assert done.returncode == 0 and "--model" in done.stdout, done.stderr
+    done = run_without_models_extra(
+        "import model_adapters\n"
+        "try:\n    model_adapters.KVQuantizer\n"
+        "except ImportError as exc:\n    print(exc)\n")
+    assert "model_adapters.KVQuantizer needs the 'models' extra" in done.stdout, done.stderr
+
+
+def test_default_threads_leave_half_the_cores():
+    from model_adapters.experiments.eval import build_parser, default_threads
+
+    assert build_parser().parse_args(["--model", "m"]).threads == default_threads() >= 1
