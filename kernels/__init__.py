@@ -12,7 +12,7 @@ Public names:
 - :func:`fsq_decode_attention`: the same over a cache of packed FSQ codes (one row per token,
   shared by the kv heads; keys reconstructed on the tensor cores), with :func:`fsq_pack` /
   :func:`fsq_unpack` (the packing contract), :func:`validate_fsq_args` /
-  :class:`FsqProblem` / :func:`fsq_decode` (validate once, then the trusted path),
+  :class:`FsqProblem` / :func:`decode_fsq_problem` (validate once, then the trusted path),
   :func:`fsq_kernel_takes` and :func:`reference_fsq_decode_attention`.
 
 Importing this package is cheap: torch and triton load on first use of a name, so a library
@@ -29,7 +29,7 @@ __all__ = [
     "FsqProblem",
     "decode_attention",
     "dequantize_rvq",
-    "fsq_decode",
+    "decode_fsq_problem",
     "fsq_decode_attention",
     "fsq_kernel_takes",
     "fsq_pack",
@@ -50,7 +50,7 @@ _WHERE = {
     "decode_attention": "kernels.rvq_decode",
     "dequantize_rvq": "kernels.reference",
     "FsqProblem": "kernels._fsq_plan",
-    "fsq_decode": "kernels.fsq_decode",
+    "decode_fsq_problem": "kernels.fsq_decode",
     "fsq_decode_attention": "kernels.fsq_decode",
     "fsq_kernel_takes": "kernels.fsq_decode",
     "fsq_pack": "kernels.fsq_codes",

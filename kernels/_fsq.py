@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import LOG2E, NEG_BIG, exact_tokens, launchable
+from kernels._common import LOG2E, NEG_BIG, exact_tokens, interpreted, launchable
 from kernels._fsq_plan import (
     BLOCK_N,
     ROPE_RADIX_BITS,
@@ -53,13 +53,25 @@ def _unpack(row_ptr, n_ok, c, c_ok, BITS: tl.constexpr):
 
 
 @triton.jit
-def _key_half(codes, dec_ptr, c, c_ok, dd, dd_ok, kd_sd, kd_sw, DEC_F32: tl.constexpr):
+def _mm(a, b, acc, WIDEN: tl.constexpr, TF32: tl.constexpr):
+    """``a @ b + acc`` in float32. ``WIDEN`` (Triton's interpreter, whose products read
+    bfloat16 operands as raw integers) multiplies the operands' exact float32 values; ``TF32``
+    (float32 operands) rounds them to tf32."""
+    if WIDEN:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    if TF32:
+        return tl.dot(a, b, acc, input_precision="tf32")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _key_half(codes, dec_ptr, c, c_ok, dd, dd_ok, kd_sd, kd_sw, zero, WIDEN: tl.constexpr,
+              DEC_F32: tl.constexpr):
     """``codes @ decoder[dd, :]^T``: ``(BLOCK_N, BLOCK_H)`` float32 (one half of the keys)."""
     dec = tl.load(dec_ptr + dd[None, :] * kd_sd + c[:, None] * kd_sw,
                   mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
-    if DEC_F32:
-        return tl.dot(codes.to(dec.dtype), dec, input_precision="tf32")
-    return tl.dot(codes.to(dec.dtype), dec)
+    # via float32: the interpreter casts int32 to bfloat16 as raw bits (exact either way)
+    return _mm(codes.to(tl.float32).to(dec.dtype), dec, zero, WIDEN, DEC_F32)
 
 
 @triton.jit
@@ -93,6 +105,7 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
                   KV_HEADS, GROUP, HALF, WIDTH, SPLIT_LEN,
                   BITS: tl.constexpr, ROPE: tl.constexpr, HAS_BIAS: tl.constexpr,
                   HAS_NORM: tl.constexpr, HAS_POS: tl.constexpr, DEC_F32: tl.constexpr,
+                  WIDEN: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                   BLOCK_H: tl.constexpr):
     split = tl.program_id(0)
@@ -129,8 +142,10 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < end
             codes = _unpack(row_base + n.to(tl.int64) * c_sn, n_ok, c, c_ok, BITS)
-            k1 = _key_half(codes, dec, c, c_ok, dd, dd_ok, kd_sd, kd_sw, DEC_F32)
-            k2 = _key_half(codes, dec + HALF * kd_sd, c, c_ok, dd, dd_ok, kd_sd, kd_sw, DEC_F32)
+            zero = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+            k1 = _key_half(codes, dec, c, c_ok, dd, dd_ok, kd_sd, kd_sw, zero, WIDEN, DEC_F32)
+            k2 = _key_half(codes, dec + HALF * kd_sd, c, c_ok, dd, dd_ok, kd_sd, kd_sw, zero,
+                           WIDEN, DEC_F32)
             if HAS_BIAS:
                 k1 += b1[None, :]
                 k2 += b2[None, :]
@@ -149,15 +164,16 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
                                                       dd_ok, HALF, ROPE)
                 k1, k2 = k1 * cos1 - k2 * sin1, k2 * cos2 + k1 * sin2
             # keys rounded to the query's dtype, as a dense cache holds them
-            score = tl.dot(q1, tl.trans(k1.to(q1.dtype)))
-            score = tl.dot(q2, tl.trans(k2.to(q2.dtype)), score) * qk_scale
+            score = _mm(q1, tl.trans(k1.to(q1.dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
+                        WIDEN, False)
+            score = _mm(q2, tl.trans(k2.to(q2.dtype)), score, WIDEN, False) * qk_scale
             score = tl.where(n_ok[None, :], score, float("-inf"))
             m_new = tl.maximum(m, tl.max(score, axis=1))
             alpha = tl.math.exp2(m - m_new)
             # float16 weights: codes (< 256) are exact, the sum uses the rounded weights too
             p = tl.math.exp2(score - m_new[:, None]).to(tl.float16)
             l = l * alpha + tl.sum(p.to(tl.float32), axis=1)
-            acc = tl.dot(p, codes.to(tl.float16), acc * alpha[:, None])
+            acc = _mm(p, codes.to(tl.float16), acc * alpha[:, None], WIDEN, False)
             m = m_new
         out = acc_ptr + b * a_sb + heads[:, None] * a_sh + split * a_sp + c[None, :]
         tl.store(out, acc, mask=g_ok[:, None])
@@ -269,7 +285,7 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
         kv_heads, group, half, width, split_len,
         BITS=uniform_bits(p.levels), ROPE=kind, HAS_BIAS=p.key_bias is not None,
         HAS_NORM=p.k_norm is not None, HAS_POS=p.positions is not None,
-        DEC_F32=kd.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+        DEC_F32=kd.dtype == torch.float32, WIDEN=interpreted(), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_W=block_w, BLOCK_H=pow2(half, 16), num_warps=num_warps, num_stages=num_stages)
     sk, sv, rk, rv = (launchable(t) for t in (p.sink_keys, p.sink_values, p.recent_keys,
                                                 p.recent_values))

@@ -74,7 +74,7 @@ def fsq_unpack(packed: torch.Tensor, levels, width: int) -> torch.Tensor:
     coord, bit = _layout(levels, packed.device)
     shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
     stream = (packed[..., :, None].to(torch.int32) >> shifts) & 1
-    stream = stream.reshape(*packed.shape[:-1], -1)[..., :coord.numel()]
+    stream = stream.flatten(-2)[..., :coord.numel()]
     out = torch.zeros(*packed.shape[:-1], width, dtype=torch.int32, device=packed.device)
     out.index_add_(out.dim() - 1, coord, stream << bit.to(torch.int32))
     return out.long()

@@ -2,9 +2,9 @@
 decides which implementation runs.
 
 - :func:`fsq_decode_attention`: the user-facing call, every argument validated.
-- :func:`fsq_decode`: the trusted per-step path over an :class:`~kernels.FsqProblem` built once
-  by :func:`kernels.validate_fsq_args` (``dataclasses.replace`` it with each step's query and
-  lengths); nothing is checked per call.
+- :func:`decode_fsq_problem`: the trusted per-step path over an :class:`~kernels.FsqProblem`
+  built once by :func:`kernels.validate_fsq_args` (``dataclasses.replace`` it with each
+  step's query and lengths); nothing is checked per call.
 - :func:`fsq_kernel_takes`: the ``backend="auto"`` decision.
 """
 
@@ -116,10 +116,10 @@ def fsq_decode_attention(
         sink_values=sink_values, sink_lengths=sink_lengths, recent_keys=recent_keys,
         recent_values=recent_values, recent_lengths=recent_lengths, scale=scale,
         check_codes=check_codes, check_lengths=check_lengths, check_positions=check_positions)
-    return fsq_decode(problem, backend=backend, num_splits=num_splits)
+    return decode_fsq_problem(problem, backend=backend, num_splits=num_splits)
 
 
-def fsq_decode(problem: FsqProblem, *, backend: str = "auto",
+def decode_fsq_problem(problem: FsqProblem, *, backend: str = "auto",
                num_splits: int | None = None) -> torch.Tensor:
     """Decode attention of a trusted :class:`~kernels.FsqProblem`; ``(batch, q_heads,
     head_dim)`` in the query's dtype. ``backend`` and ``num_splits`` as in
