@@ -25,12 +25,18 @@ def make_fsq_case(*, batch=2, q_heads=4, kv_heads=2, head_dim=32, width=24, leve
         return (torch.randn(*shape, generator=g) * std).to(dtype=as_dtype, device=device)
 
     level = levels if isinstance(levels, int) else max(levels)
-    ints = torch.randint(0, 1 << 30, (batch, archived, width), generator=g)
-    ints = ints % torch.tensor(levels if not isinstance(levels, int) else [levels] * width)
+    if isinstance(levels, int) and levels & (levels - 1) == 0:
+        # any byte is a valid row (bits past the last coordinate are ignored): no packing
+        size = -(-width * (levels.bit_length() - 1) // 8)
+        codes = torch.randint(0, 256, (batch, archived, size), generator=g).to(torch.uint8)
+    else:
+        ints = torch.randint(0, 1 << 30, (batch, archived, width), generator=g)
+        codes = fsq_pack(ints % torch.tensor(levels if not isinstance(levels, int)
+                                             else [levels] * width), levels)
     std = 2.0 / (level * width ** 0.5)
     case = {
         "query": randn(batch, q_heads, head_dim, std=1.0),
-        "codes": fsq_pack(ints, levels).to(device),
+        "codes": codes.to(device),
         "levels": levels,
         "key_decoder": randn(kv_heads, head_dim, width, std=std, as_dtype=decoder_dtype),
         "value_decoder": randn(kv_heads, head_dim, width, std=std, as_dtype=decoder_dtype),
