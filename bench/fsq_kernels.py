@@ -15,7 +15,7 @@ It measures the copy bandwidth and a bf16 matmul in the same run and states both
 per row: bytes moved / bandwidth, tensor-core FLOPs / matmul rate. Also extra peak memory.
 
     python bench/fsq_kernels.py --out bench/results/fsq_kernels.json [--quick] [--sweep]
-    python bench/fsq_kernels.py --plot bench/results/fsq_kernels.json   # table + figure
+    python bench/fsq_kernels.py --plot bench/results/fsq_kernels.json   # table + docs figure
 """
 
 from __future__ import annotations
@@ -240,16 +240,50 @@ def ratio(a, b, unit="x"):
         return "-"
     return f"{a / b:.0f}" if unit == "%" else f"{a / b:.2f}x"
 
+def plot(data, figure: Path):
+    """CUDA-graph time per call against context, one panel per batch: FSQ per config, SDPA
+    on the dense cache and the RVQ kernel (4 + 2 stages)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in data["rows"]})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches, strict=True):
+        for name in [c[0] for c in CONFIGS]:
+            rows = [r for r in data["rows"] if r["config"] == name and r["batch"] == batch
+                    and r.get("fsq_graph_ms")]
+            if not rows:
+                continue
+            ctx = [r["context"] for r in rows]
+            ax.plot(ctx, [r["fsq_graph_ms"] for r in rows], "o-", label=f"FSQ {name}")
+            ax.plot(ctx, [r["sdpa_graph_ms"] for r in rows], "k--", alpha=0.5,
+                    label=f"SDPA dense ({name.split()[0]})")
+            rvq = [(r["context"], r["rvq_graph_ms"]) for r in rows if r.get("rvq_graph_ms")]
+            if rvq:
+                ax.plot(*zip(*rvq, strict=True), "x:", label=f"RVQ 4+2 ({name.split()[0]})")
+        ax.set(xscale="log", yscale="log", xlabel="context", ylabel="ms per call (CUDA graph)",
+               title=f"batch {batch}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(figure, dpi=110)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench/results/fsq_kernels.json"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--plot", type=Path, help="print the table of a saved result")
+    ap.add_argument("--figure", type=Path, default=Path("docs/kernels_fsq.png"),
+                    help="with --plot: where the figure goes")
     args = ap.parse_args(argv)
     if args.plot:
         data = json.loads(args.plot.read_text())
         print_table(data)
+        plot(data, args.figure)
         return
     contexts = [4096, 32768] if args.quick else [4096, 16384, 32768, 131072]
     batches = [1, 8] if args.quick else [1, 8, 32]
