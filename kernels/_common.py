@@ -85,6 +85,32 @@ def interpreted() -> bool:
     return isinstance(program_heads, InterpretedFunction)
 
 
+def patch_interpreter_index() -> None:
+    """Make the interpreter's ``tensor.__index__`` accept a one-element array of any shape.
+
+    Triton 3.6's interpreter holds every scalar as a 1-d array of one element and converts a
+    loop bound (``range(start, end)`` with tensor bounds) by ``int(array)``, which NumPy 2
+    refuses ("only 0-dimensional arrays can be converted to Python scalars"); later Triton
+    squeezes the array first. This wraps the interpreter's per-launch patch to do the same.
+    Idempotent; a no-op on interpreters without that hook."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "index_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.index_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreted():
+    patch_interpreter_index()
+
+
 def launchable(exact: torch.Tensor) -> torch.Tensor:
     """An exact K/V segment with unit stride over head_dim and at least one (unread) slot."""
     if exact.shape[2] == 0:

@@ -1,0 +1,300 @@
+"""Benchmark decode attention on packed FSQ codes against SDPA on the dense fp16 cache.
+
+One query token per sequence, one layer's attention op, bf16 activations and decoders. For
+each (model shape at a compression ratio, batch, context) the script times in one process
+(``triton.testing.do_bench`` median; ``do_bench_cudagraph`` for CUDA-graph replay):
+
+* ``fsq``: ``kernels.fsq_decode_attention`` (Triton path; 4 exact sinks + archived codes + 32
+  exact recent tokens), eager (validated call, launches from Python) and graph;
+* ``sdpa``: ``F.scaled_dot_product_attention`` on the dense fp16 K/V (backend torch picks),
+  eager and graph;
+* ``rvq``: the RVQ kernel at its nearest configuration (4 + 2 stages of 256 centroids per kv
+  head, bytes stated), graph only.
+
+It measures the copy bandwidth and a bf16 matmul in the same run and states both rooflines
+per row: bytes moved / bandwidth, tensor-core FLOPs / matmul rate. Also extra peak memory.
+
+    python bench/fsq_kernels.py --out bench/results/fsq_kernels.json [--quick] [--sweep]
+    python bench/fsq_kernels.py --plot bench/results/fsq_kernels.json   # table + docs figure
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+
+
+def _rvq_bench():
+    """bench/kernels.py (the RVQ benchmark) for its timing helpers; loaded by path because
+    its module name is the package's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_rvq_kernels",
+                                                  Path(__file__).with_name("kernels.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_RVQ = _rvq_bench()
+copy_bandwidth, extra_peak_bytes, time_ms = _RVQ.copy_bandwidth, _RVQ.extra_peak_bytes, _RVQ.time_ms
+
+
+def matmul_rate(device, n=8192):
+    """bf16 matmul FLOP/s on random data (the tensor-core ceiling of this run)."""
+    import torch
+    import triton.testing
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=20, rep=300, return_mode="median")
+    return 2 * n ** 3 / (ms * 1e-3)
+
+SINKS, RECENT = 4, 32
+# (name, shape, width, levels): dense bytes per token per layer / packed bytes = the ratio
+CONFIGS = [
+    ("qwen3-8b 12x", {"q_heads": 32, "kv_heads": 8, "head_dim": 128}, 682, 16),
+    ("qwen3-8b 32x", {"q_heads": 32, "kv_heads": 8, "head_dim": 128}, 256, 16),
+    ("qwen3-8b 97.5x", {"q_heads": 32, "kv_heads": 8, "head_dim": 128}, 84, 16),
+    ("gpt2 32x", {"q_heads": 12, "kv_heads": 12, "head_dim": 64}, 192, 16),
+]
+RVQ_STAGES = (4, 2)
+
+
+def fsq_case(shape, width, levels, context, batch, rope):
+    """A random case (bf16); the packed codes drawn on the GPU (any byte is a valid row)."""
+    import torch
+    from fsq_cases import make_fsq_case
+
+    case = make_fsq_case(batch=batch, width=width, levels=levels, archived=1, sinks=SINKS,
+                         recent=RECENT, dtype=torch.bfloat16, device="cuda",
+                         rope=1e6 if rope else None, k_norm=rope, bias=True, **shape)
+    size = case["codes"].shape[2]
+    case["codes"] = torch.randint(0, 256, (batch, context - SINKS - RECENT, size),
+                                  dtype=torch.uint8, device="cuda")
+    return case
+
+
+def tc_flops(shape, width, context, batch):
+    """Tensor-core FLOPs of one call as the kernel runs it: key halves (2 w D per position
+    and kv head) and the score and weighted-code products on 16 padded rows."""
+    hkv, d = shape["kv_heads"], shape["head_dim"]
+    rows = max(16, shape["q_heads"] // hkv)
+    return batch * hkv * (context - SINKS - RECENT) * (2 * width * d + 2 * rows * (d + width))
+
+
+def fsq_bytes(shape, width, levels, context, batch):
+    hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
+    packed = -(-width * (levels.bit_length() - 1) // 8)
+    codes = batch * (context - SINKS - RECENT) * packed
+    exact = batch * hkv * (SINKS + RECENT) * d * 2 * 2
+    decoders = 2 * hkv * d * width * 2
+    return codes + exact + decoders + batch * hq * d * 2 * 2, packed
+
+
+def dense_bytes(shape, context, batch):
+    hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
+    return batch * hkv * context * d * 2 * 2 + batch * hq * d * 2 * 2
+
+
+def run_grid(contexts, batches, graphs=True, rvq=True):
+    import torch
+    import torch.nn.functional as F
+
+    from kernels import fsq_decode_attention, fsq_kernel_takes, validate_fsq_args
+
+    bandwidth = copy_bandwidth("cuda")
+    rate = matmul_rate("cuda")
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s",
+          flush=True)
+    rows = []
+    for name, shape, width, levels in CONFIGS:
+        rope = name.startswith("qwen3")
+        for batch in batches:
+            for context in contexts:
+                case = fsq_case(shape, width, levels, context, batch, rope)
+                problem = validate_fsq_args(**case)
+                row = {"config": name, "batch": batch, "context": context, "width": width}
+                nbytes, packed = fsq_bytes(shape, width, levels, context, batch)
+                row.update(packed_bytes_per_token=packed, fsq_bytes=nbytes,
+                           dense_bytes=dense_bytes(shape, context, batch),
+                           tc_flops=tc_flops(shape, width, context, batch))
+                row["kernel"] = takes = fsq_kernel_takes(problem)
+                if not takes:  # the reference would materialise the dense cache
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
+                fsq = functools.partial(fsq_decode_attention, **case, check_codes=False)
+                row["fsq_ms"] = time_ms(fsq, graph=False)
+                if graphs:
+                    row["fsq_graph_ms"] = time_ms(fsq, graph=True)
+                row["fsq_peak"] = extra_peak_bytes(fsq)
+                hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
+                q = case["query"].to(torch.float16)[:, :, None, :]
+                k = torch.randn(batch, hkv, context, d, device="cuda", dtype=torch.float16)
+                v = torch.randn_like(k)
+                sdpa = functools.partial(F.scaled_dot_product_attention, q, k, v,
+                                         enable_gqa=hq != hkv)
+                row["sdpa_ms"] = time_ms(sdpa, graph=False)
+                if graphs:
+                    row["sdpa_graph_ms"] = time_ms(sdpa, graph=True)
+                row["sdpa_peak"] = extra_peak_bytes(sdpa)
+                del k, v, sdpa
+                if rvq and context >= 32768:
+                    row.update(time_rvq(shape, context, batch))
+                row["bytes_roof_ms"] = row["fsq_bytes"] / bandwidth * 1e3
+                row["tc_roof_ms"] = row["tc_flops"] / rate * 1e3
+                row["sdpa_roof_ms"] = row["dense_bytes"] / bandwidth * 1e3
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                torch.cuda.empty_cache()
+    return {"bandwidth": bandwidth, "matmul_rate": rate, "rows": rows}
+
+
+def time_rvq(shape, context, batch):
+    import torch
+    from kernels_cases import make_case
+
+    from kernels import rvq_decode_attention
+
+    ks, vs = RVQ_STAGES
+    case = make_case(batch=batch, archived=context - SINKS - RECENT, codebook_size=256,
+                     key_stages=ks, value_stages=vs, sinks=SINKS, recent=RECENT,
+                     dtype=torch.float16, device="cuda", **shape)
+    rvq = functools.partial(rvq_decode_attention, **case, check_codes=False)
+    return {"rvq_graph_ms": time_ms(rvq, graph=True),
+            "rvq_bytes_per_token": shape["kv_heads"] * (ks + vs)}
+
+
+def sweep(batch=8, context=131072):
+    """Block size and warps of the split kernel, and the split count, at one shape of the
+    Qwen3 configs the kernel takes."""
+    import torch
+
+    from kernels import _fsq, validate_fsq_args
+
+    out = []
+    for name, shape, width, levels in CONFIGS[1:3]:
+        case = fsq_case(shape, width, levels, context, batch, name.startswith("qwen3"))
+        problem = validate_fsq_args(**case)
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (1,):
+                    call = functools.partial(_fsq.decode, problem, num_warps=warps,
+                                             block_n=block_n, num_stages=stages)
+                    try:
+                        ms = time_ms(call, graph=True)
+                    except Exception as exc:  # noqa: BLE001 (out of resources: record it)
+                        ms = f"{type(exc).__name__}"
+                    row = {"config": name, "block_n": block_n, "warps": warps,
+                           "stages": stages, "graph_ms": ms}
+                    out.append(row)
+                    print(json.dumps(row), flush=True)
+        for factor in (0.5, 2, 4):
+            from kernels._fsq_plan import choose_num_splits
+
+            splits = max(1, int(choose_num_splits(problem) * factor))
+            row = {"config": name, "splits": splits,
+                   "graph_ms": time_ms(functools.partial(_fsq.decode, problem, num_splits=splits),
+                                       graph=True)}
+            out.append(row)
+            print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+    return out
+
+
+def print_table(data, min_context=0):
+    print("| config | B/token | batch | context | fsq eager ms | sdpa eager ms | eager ratio | "
+          "fsq graph ms | sdpa graph ms | speed-up | TC roofline % | bytes roofline % | "
+          "rvq graph ms (B/token) | fsq / sdpa peak MB |")
+    print("|" + "---|" * 14)
+    for r in data["rows"]:
+        if r["context"] < min_context:
+            continue
+        if not r.get("kernel"):
+            print(f"| {r['config']} | {r['packed_bytes_per_token']} | {r['batch']} | "
+                  f"{r['context']} | kernel n/a (width {r['width']} > 256) |" + " |" * 9)
+            continue
+        g, s = r.get("fsq_graph_ms"), r.get("sdpa_graph_ms")
+        e, se, rvq = r.get("fsq_ms"), r.get("sdpa_ms"), r.get("rvq_graph_ms")
+        print(f"| {r['config']} | {r['packed_bytes_per_token']} | {r['batch']} | {r['context']} "
+              f"| {fmt(e)} | {fmt(se)} | {ratio(se, e)} | {fmt(g)} | {fmt(s)} | {ratio(s, g)} "
+              f"| {ratio(100 * r['tc_roof_ms'], g, '%')} "
+              f"| {ratio(100 * r['bytes_roof_ms'], g, '%')} | "
+              + (f"{rvq:.3f} ({r['rvq_bytes_per_token']})" if rvq else "-")
+              + f" | {r['fsq_peak'] / 2**20:.1f} / {r['sdpa_peak'] / 2**20:.1f} |")
+
+
+def fmt(x):
+    return "-" if x is None else f"{x:.3f}"
+
+
+def ratio(a, b, unit="x"):
+    if a is None or not b:
+        return "-"
+    return f"{a / b:.0f}" if unit == "%" else f"{a / b:.2f}x"
+
+def plot(data, figure: Path):
+    """CUDA-graph time per call against context, one panel per batch: FSQ per config, SDPA
+    on the dense cache and the RVQ kernel (4 + 2 stages)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in data["rows"]})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches, strict=True):
+        for name in [c[0] for c in CONFIGS]:
+            rows = [r for r in data["rows"] if r["config"] == name and r["batch"] == batch
+                    and r.get("fsq_graph_ms")]
+            if not rows:
+                continue
+            ctx = [r["context"] for r in rows]
+            ax.plot(ctx, [r["fsq_graph_ms"] for r in rows], "o-", label=f"FSQ {name}")
+            ax.plot(ctx, [r["sdpa_graph_ms"] for r in rows], "k--", alpha=0.5,
+                    label=f"SDPA dense ({name.split()[0]})")
+            rvq = [(r["context"], r["rvq_graph_ms"]) for r in rows if r.get("rvq_graph_ms")]
+            if rvq:
+                ax.plot(*zip(*rvq, strict=True), "x:", label=f"RVQ 4+2 ({name.split()[0]})")
+        ax.set(xscale="log", yscale="log", xlabel="context", ylabel="ms per call (CUDA graph)",
+               title=f"batch {batch}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(figure, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("bench/results/fsq_kernels.json"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--plot", type=Path, help="print the table of a saved result")
+    ap.add_argument("--figure", type=Path, default=Path("docs/kernels_fsq.png"),
+                    help="with --plot: where the figure goes")
+    args = ap.parse_args(argv)
+    if args.plot:
+        data = json.loads(args.plot.read_text())
+        print_table(data)
+        plot(data, args.figure)
+        return
+    contexts = [4096, 32768] if args.quick else [4096, 16384, 32768, 131072]
+    batches = [1, 8] if args.quick else [1, 8, 32]
+    data = {}
+    if args.sweep:
+        data["sweep"] = sweep()
+    data.update(run_grid(contexts, batches))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(data, indent=1))
+    print_table(data)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""Triton decode attention straight from packed FSQ codes (flash-decoding, two launches).
+
+1. ``_split_kernel``: one program per (sequence split, batch, kv head). Per block of
+   ``BLOCK_N`` positions it unpacks the codes to ``(BLOCK_N, width)`` integers held in the
+   decoder's dtype (exact: levels <= 256), reconstructs the two halves of the keys with two
+   tensor-core products against the decoder halves (so RoPE's rotate-half needs no shuffle),
+   applies the bias, RMSNorm (k_norm) and RoPE at each position's absolute position, scores
+   the group's query heads (padded to 16 rows for ``tl.dot``), and keeps an online softmax
+   whose weights multiply the *codes*: ``acc[g] += sum_n p[g, n] code_n`` (``width`` floats per
+   head). No key or value leaves the registers.
+2. ``_merge_kernel``: one program per (batch, kv head) merges the splits, runs the exact sink
+   and recent tokens (``_common.exact_tokens``) and applies the value decoder once:
+   ``sum_n p_n v_n = value_decoder @ (sum_n p_n code_n) + value_bias * sum_n p_n``.
+
+RoPE with a theta uses exact argument reduction: ``pos = hi * 2^11 + lo``, the angles of both
+parts come from float64-computed float32 tables (``_fsq_plan.theta_tables``, in L2) and are
+combined with the angle-sum formula, so angles stay exact to float32 at any position below
+2^22; explicit ``(cos, sin)`` tables are read at the position.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import LOG2E, NEG_BIG, exact_tokens, interpreted, launchable
+from kernels._fsq_plan import (
+    BLOCK_N,
+    ROPE_RADIX_BITS,
+    FsqProblem,
+    kernel_limit,
+    rope_kind,
+    splits_for,
+    theta_tables,
+    uniform_bits,
+)
+from kernels._plan import pow2
+from kernels._validate import check_num_splits
+
+RADIX_BITS = tl.constexpr(ROPE_RADIX_BITS)
+RADIX_MASK = tl.constexpr((1 << ROPE_RADIX_BITS) - 1)
+
+
+@triton.jit
+def _unpack(row_ptr, n_ok, c, c_ok, BITS: tl.constexpr):
+    """Codes ``(BLOCK_N, BLOCK_W)`` int32 of the packed rows at ``row_ptr`` ``(BLOCK_N,)``:
+    coordinate ``c`` sits at stream bit ``c * BITS`` (little-endian)."""
+    bit = c * BITS
+    byte = tl.load(row_ptr[:, None] + (bit >> 3)[None, :], mask=n_ok[:, None] & c_ok[None, :],
+                   other=0)
+    return (byte.to(tl.int32) >> (bit & 7)[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _mm(a, b, acc, WIDEN: tl.constexpr, TF32: tl.constexpr):
+    """``a @ b + acc`` in float32. ``WIDEN`` (Triton's interpreter, whose products read
+    bfloat16 operands as raw integers) multiplies the operands' exact float32 values; ``TF32``
+    (float32 operands) rounds them to tf32."""
+    if WIDEN:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    if TF32:
+        return tl.dot(a, b, acc, input_precision="tf32")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _key_half(codes, dec_ptr, c, c_ok, dd, dd_ok, kd_sd, kd_sw, zero, WIDEN: tl.constexpr,
+              DEC_F32: tl.constexpr):
+    """``codes @ decoder[dd, :]^T``: ``(BLOCK_N, BLOCK_H)`` float32 (one half of the keys)."""
+    dec = tl.load(dec_ptr + dd[None, :] * kd_sd + c[:, None] * kd_sw,
+                  mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
+    # via float32: the interpreter casts int32 to bfloat16 as raw bits (exact either way)
+    return _mm(codes.to(tl.float32).to(dec.dtype), dec, zero, WIDEN, DEC_F32)
+
+
+@triton.jit
+def _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, n_ok, dd, dd_ok, HALF,
+                 ROPE: tl.constexpr):
+    """``(cos1, sin1, cos2, sin2)`` ``(BLOCK_N, BLOCK_H)`` for the first and second key halves at
+    positions ``pos``."""
+    ok = n_ok[:, None] & dd_ok[None, :]
+    if ROPE == 1:  # theta: angle(pos) = angle(hi * 2^11) + angle(lo), both from exact tables
+        lo = (pos & RADIX_MASK)[:, None] * HALF + dd[None, :]
+        hi = (pos >> RADIX_BITS)[:, None] * HALF + dd[None, :]
+        cl = tl.load(cos_a + lo, mask=ok, other=1.0)
+        sl = tl.load(sin_a + lo, mask=ok, other=0.0)
+        ch = tl.load(cos_b + hi, mask=ok, other=1.0)
+        sh = tl.load(sin_b + hi, mask=ok, other=0.0)
+        cos = cl * ch - sl * sh
+        sin = sl * ch + cl * sh
+        return cos, sin, cos, sin
+    else:  # explicit (max_position, head_dim) tables, transformers' layout
+        row = pos.to(tl.int64)[:, None] * (2 * HALF) + dd[None, :]
+        return (tl.load(cos_a + row, mask=ok, other=1.0), tl.load(sin_a + row, mask=ok, other=0.0),
+                tl.load(cos_a + row + HALF, mask=ok, other=1.0),
+                tl.load(sin_a + row + HALF, mask=ok, other=0.0))
+
+
+@triton.jit
+def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_ptr,
+                  cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_ptr, qk_scale, eps,
+                  q_sb, q_sh, c_sb, c_sn, p_sb, p_sn, kd_sh, kd_sd, kd_sw, kb_sh,
+                  a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp,
+                  KV_HEADS, GROUP, HALF, WIDTH, SPLIT_LEN,
+                  BITS: tl.constexpr, ROPE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  HAS_NORM: tl.constexpr, HAS_POS: tl.constexpr, DEC_F32: tl.constexpr,
+                  WIDEN: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    split = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = pid // KV_HEADS
+    kvh = pid % KV_HEADS
+    start = split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, tl.load(alen_ptr + b))
+    if start < end:  # the merge reads only the splits that hold positions
+        g = tl.arange(0, BLOCK_M)
+        g_ok = g < GROUP
+        heads = kvh * GROUP + g
+        dd = tl.arange(0, BLOCK_H)
+        dd_ok = dd < HALF
+        c = tl.arange(0, BLOCK_W)
+        c_ok = c < WIDTH
+        q_rows = q_ptr + b * q_sb + heads[:, None] * q_sh + dd[None, :]
+        q_ok = g_ok[:, None] & dd_ok[None, :]
+        q1 = tl.load(q_rows, mask=q_ok, other=0.0)
+        q2 = tl.load(q_rows + HALF, mask=q_ok, other=0.0)
+        dec = kd_ptr + kvh * kd_sh
+        if HAS_BIAS:
+            b1 = tl.load(kb_ptr + kvh * kb_sh + dd, mask=dd_ok, other=0.0).to(tl.float32)
+            b2 = tl.load(kb_ptr + kvh * kb_sh + HALF + dd, mask=dd_ok, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            w1 = tl.load(kn_ptr + dd, mask=dd_ok, other=0.0).to(tl.float32)
+            w2 = tl.load(kn_ptr + HALF + dd, mask=dd_ok, other=0.0).to(tl.float32)
+        sink = tl.load(slen_ptr + b)
+        row_base = codes_ptr + b.to(tl.int64) * c_sb
+        m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = n < end
+            codes = _unpack(row_base + n.to(tl.int64) * c_sn, n_ok, c, c_ok, BITS)
+            zero = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+            k1 = _key_half(codes, dec, c, c_ok, dd, dd_ok, kd_sd, kd_sw, zero, WIDEN, DEC_F32)
+            k2 = _key_half(codes, dec + HALF * kd_sd, c, c_ok, dd, dd_ok, kd_sd, kd_sw, zero,
+                           WIDEN, DEC_F32)
+            if HAS_BIAS:
+                k1 += b1[None, :]
+                k2 += b2[None, :]
+            if HAS_NORM:  # padded columns are zero: the sums cover the head exactly
+                ms = (tl.sum(k1 * k1, axis=1) + tl.sum(k2 * k2, axis=1)) / (2 * HALF)
+                r = tl.math.rsqrt(ms + eps)
+                k1 = k1 * r[:, None] * w1[None, :]
+                k2 = k2 * r[:, None] * w2[None, :]
+            if ROPE > 0:
+                if HAS_POS:
+                    pos = tl.load(pos_ptr + b.to(tl.int64) * p_sb + n * p_sn, mask=n_ok,
+                                  other=0).to(tl.int32)
+                else:
+                    pos = sink + n
+                cos1, sin1, cos2, sin2 = _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, n_ok, dd,
+                                                      dd_ok, HALF, ROPE)
+                k1, k2 = k1 * cos1 - k2 * sin1, k2 * cos2 + k1 * sin2
+            # keys rounded to the query's dtype, as a dense cache holds them
+            score = _mm(q1, tl.trans(k1.to(q1.dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
+                        WIDEN, False)
+            score = _mm(q2, tl.trans(k2.to(q2.dtype)), score, WIDEN, False) * qk_scale
+            score = tl.where(n_ok[None, :], score, float("-inf"))
+            m_new = tl.maximum(m, tl.max(score, axis=1))
+            alpha = tl.math.exp2(m - m_new)
+            # float16 weights: codes (< 256) are exact, the sum uses the rounded weights too
+            p = tl.math.exp2(score - m_new[:, None]).to(tl.float16)
+            l = l * alpha + tl.sum(p.to(tl.float32), axis=1)
+            acc = _mm(p, codes.to(tl.float16), acc * alpha[:, None], WIDEN, False)
+            m = m_new
+        out = acc_ptr + b * a_sb + heads[:, None] * a_sh + split * a_sp + c[None, :]
+        tl.store(out, acc, mask=g_ok[:, None])
+        ml = ml_ptr + b * ml_sb + heads * ml_sh + split * ml_sp
+        tl.store(ml, m, mask=g_ok)
+        tl.store(ml + 1, l, mask=g_ok)
+
+
+@triton.jit
+def _merge_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, alen_ptr,
+                  acc_ptr, ml_ptr, vd_ptr, vb_ptr, out_ptr, qk_scale,
+                  q_sb, q_sh, sk_sb, sk_sh, sk_sn, sv_sb, sv_sh, sv_sn,
+                  rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn,
+                  a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp, vd_sh, vd_sd, vd_sw, vb_sh,
+                  o_sb, o_sh, KV_HEADS, GROUP, HEAD_DIM, WIDTH, SPLIT_LEN,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // KV_HEADS
+    kvh = pid % KV_HEADS
+    g = tl.arange(0, BLOCK_M)
+    g_ok = g < GROUP
+    heads = kvh * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    c = tl.arange(0, BLOCK_W)
+    c_ok = c < WIDTH
+    m_e, l_e, o_e = exact_tokens(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, b,
+                                 kvh, heads, g_ok, d, d_ok, qk_scale, q_sb, q_sh,
+                                 sk_sb, sk_sh, sk_sn, sv_sb, sv_sh, sv_sn,
+                                 rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn, BLOCK_M, BLOCK_D,
+                                 BLOCK_E)
+    # the archive: merge the splits' (max, weight sum, weighted code sum)
+    m_a = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_a = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
+    active = tl.cdiv(tl.load(alen_ptr + b), SPLIT_LEN)
+    for s in range(0, active):
+        ml = ml_ptr + b * ml_sb + heads * ml_sh + s * ml_sp
+        m_s = tl.load(ml, mask=g_ok, other=NEG_BIG)
+        m_new = tl.maximum(m_a, m_s)
+        alpha = tl.math.exp2(m_a - m_new)
+        beta = tl.math.exp2(m_s - m_new)
+        l_a = l_a * alpha + tl.load(ml + 1, mask=g_ok, other=0.0) * beta
+        part = tl.load(acc_ptr + b * a_sb + heads[:, None] * a_sh + s * a_sp + c[None, :],
+                       mask=g_ok[:, None] & c_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + part * beta[:, None]
+        m_a = m_new
+    # the value decoder, once: (heads, width) @ (width, head_dim) (+ bias x weight sum)
+    vd = tl.load(vd_ptr + kvh * vd_sh + d[None, :] * vd_sd + c[:, None] * vd_sw,
+                 mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    values = tl.dot(acc, vd, input_precision="ieee")
+    if HAS_BIAS:
+        bias = tl.load(vb_ptr + kvh * vb_sh + d, mask=d_ok, other=0.0).to(tl.float32)
+        values += l_a[:, None] * bias[None, :]
+    m = tl.maximum(m_e, m_a)
+    w_e = tl.math.exp2(m_e - m)
+    w_a = tl.math.exp2(m_a - m)
+    total = tl.where(g_ok, l_e * w_e + l_a * w_a, 1.0)
+    out = (o_e * w_e[:, None] + values * w_a[:, None]) / total[:, None]
+    tl.store(out_ptr + b * o_sb + heads[:, None] * o_sh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int = 4,
+           block_n: int = BLOCK_N, num_stages: int = 1) -> torch.Tensor:
+    """Run the two kernels on a validated problem; ``(batch, q_heads, head_dim)`` in the
+    query's dtype. ``block_n`` (positions per step, a power of two >= 16), ``num_warps`` and
+    ``num_stages`` of the split kernel are tuning knobs. Never waits for the GPU."""
+    p = problem
+    reason = kernel_limit(p)
+    if reason is not None:
+        raise ValueError(f"backend='triton': {reason}")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    check_num_splits(num_splits)
+    batch, q_heads, head_dim = p.query.shape
+    kv_heads, width = p.kv_heads, p.width
+    group = q_heads // kv_heads
+    half = head_dim // 2
+    split_len, splits = splits_for(p, num_splits, block_n)
+    device = p.query.device
+    block_w = pow2(width, 16)
+    acc = torch.empty(batch, q_heads, splits, block_w, dtype=torch.float32, device=device)
+    ml = torch.empty(batch, q_heads, splits, 2, dtype=torch.float32, device=device)
+    codes = p.codes
+    if codes.shape[1] == 0:  # no archived slot: real (never read) memory for the launcher
+        codes = codes.new_zeros(batch, 1, codes.shape[2])
+    kind = rope_kind(p.rope)
+    if kind == 1:
+        cos_a, sin_a, cos_b, sin_b = theta_tables(p.rope, head_dim, device)
+    elif kind == 2:
+        cos_a, sin_a = p.rope
+        cos_b, sin_b = cos_a, sin_a
+    else:
+        cos_a = sin_a = cos_b = sin_b = acc
+    pos = p.positions if p.positions is not None else p.archived_lengths
+    p_sb, p_sn = (pos.stride(0), pos.stride(1)) if p.positions is not None else (0, 0)
+    kd = p.key_decoder
+    kb = p.key_bias if p.key_bias is not None else kd
+    kn = p.k_norm if p.k_norm is not None else kd
+    qk_scale = p.scale * LOG2E
+    block_m = max(16, pow2(group))
+    _split_kernel[(splits, batch * kv_heads)](
+        p.query, codes, pos, p.archived_lengths, p.sink_lengths, kd, kb, kn,
+        cos_a, sin_a, cos_b, sin_b, acc, ml, qk_scale, p.eps,
+        p.query.stride(0), p.query.stride(1), codes.stride(0), codes.stride(1), p_sb, p_sn,
+        *kd.stride(), kb.stride(0), *acc.stride()[:3], *ml.stride()[:3],
+        kv_heads, group, half, width, split_len,
+        BITS=uniform_bits(p.levels), ROPE=kind, HAS_BIAS=p.key_bias is not None,
+        HAS_NORM=p.k_norm is not None, HAS_POS=p.positions is not None,
+        DEC_F32=kd.dtype == torch.float32, WIDEN=interpreted(), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_W=block_w, BLOCK_H=pow2(half, 16), num_warps=num_warps, num_stages=num_stages)
+    sk, sv, rk, rv = (launchable(t) for t in (p.sink_keys, p.sink_values, p.recent_keys,
+                                                p.recent_values))
+    vd = p.value_decoder
+    vb = p.value_bias if p.value_bias is not None else vd
+    out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=device)
+    _merge_kernel[(batch * kv_heads,)](
+        p.query, sk, sv, rk, rv, p.sink_lengths, p.recent_lengths, p.archived_lengths,
+        acc, ml, vd, vb, out, qk_scale, p.query.stride(0), p.query.stride(1),
+        *sk.stride()[:3], *sv.stride()[:3], *rk.stride()[:3], *rv.stride()[:3],
+        *acc.stride()[:3], *ml.stride()[:3], *vd.stride(), vb.stride(0),
+        out.stride(0), out.stride(1), kv_heads, group, head_dim, width, split_len,
+        HAS_BIAS=p.value_bias is not None, BLOCK_M=block_m, BLOCK_D=pow2(head_dim, 16),
+        BLOCK_W=block_w, BLOCK_E=16, num_warps=4)
+    return out

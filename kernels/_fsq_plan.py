@@ -1,0 +1,212 @@
+"""What the FSQ decode kernel takes, one decode call over packed FSQ codes, the level-to-bit
+layout, the split count and the RoPE angle tables (pure Python and torch: no triton import).
+
+Packing contract (shared with the model side): coordinate ``i`` of a code row with levels
+``L_i`` takes ``b_i = ceil(log2 L_i)`` bits, at bits ``[o_i, o_i + b_i)`` of the row's bit
+stream, ``o_i = b_0 + ... + b_{i-1}``, least significant bit first; byte ``j`` of the packed
+row holds stream bits ``8j .. 8j + 7``, bit ``8j`` in its least significant bit. So with a
+uniform ``L = 16`` coordinate ``2k`` is the low nibble of byte ``k``. Bits past the last
+coordinate are zero when packed and ignored when read.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from kernels._plan import MAX_SPLITS, multiprocessors, pow2, split_layout
+
+KERNEL_BITS = (1, 2, 4, 8)  # uniform power-of-two levels 2, 4, 16, 256
+MAX_KERNEL_WIDTH = 256  # code coordinates the kernel holds per position (registers)
+MAX_KERNEL_GROUP = 64  # query heads per kv head one kernel program serves
+MAX_KERNEL_HEAD_DIM = 256
+ROPE_RADIX_BITS = 11  # theta mode: position = hi * 2^11 + lo, one angle table per part
+MAX_THETA_POSITION = 1 << (2 * ROPE_RADIX_BITS)  # 4,194,304: positions the theta tables cover
+MIN_SPLIT_LEN = 256  # archived positions per split program, at least
+BLOCK_N = 64  # positions per step of a split program
+
+
+def level_list(levels, width: int) -> tuple[int, ...]:
+    """Per-coordinate levels of a ``width``-coordinate code from an int (uniform) or a
+    sequence of ``width`` ints; each level >= 2. ValueError otherwise."""
+    if isinstance(levels, bool):
+        raise ValueError(f"levels must be an int >= 2 or a sequence of them, got {levels!r}")
+    if isinstance(levels, numbers.Integral):
+        values = (int(levels),) * width
+    else:
+        try:
+            values = tuple(int(v) for v in levels)
+            bad = [v for v in levels if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
+        except TypeError:
+            raise ValueError(f"levels must be an int >= 2 or a sequence of them, got "
+                             f"{levels!r}") from None
+        if bad:
+            raise ValueError(f"levels must hold ints, got {bad[:4]!r}")
+        if len(values) != width:
+            raise ValueError(f"levels has {len(values)} entries; the code width is {width}")
+    low = [v for v in values if v < 2]
+    if low:
+        raise ValueError(f"every level must be >= 2, got {low[:4]!r}")
+    return values
+
+
+def level_bits(levels: tuple[int, ...]) -> tuple[int, ...]:
+    """Bits of each coordinate: ``ceil(log2 L)``."""
+    return tuple((v - 1).bit_length() for v in levels)
+
+
+def packed_bytes(levels: tuple[int, ...]) -> int:
+    """Bytes of one packed code row."""
+    return math.ceil(sum(level_bits(levels)) / 8)
+
+
+def uniform_bits(levels: tuple[int, ...]) -> int | None:
+    """The bits per coordinate when the kernel reads these levels (one uniform level among
+    2, 4, 16, 256), else ``None``."""
+    if levels and len(set(levels)) == 1:
+        bits = (levels[0] - 1).bit_length()
+        if bits in KERNEL_BITS and levels[0] == 1 << bits:
+            return bits
+    return None
+
+
+@dataclass(frozen=True)
+class FsqProblem:
+    """One validated decode call over packed FSQ codes (every length filled in).
+
+    Attributes:
+        query: ``(batch, q_heads, head_dim)`` float16 / bfloat16, contiguous.
+        codes: ``(batch, seq, packed_bytes)`` uint8, one packed row per archived token,
+            shared by every kv head.
+        levels: per-coordinate levels, ``width`` ints.
+        key_decoder, value_decoder: ``(kv_heads, head_dim, width)`` float16 / bfloat16 /
+            float32: ``key_raw[h] = key_decoder[h] @ code + key_bias[h]`` on integer codes.
+        key_bias, value_bias: ``(kv_heads, head_dim)`` or ``None``.
+        k_norm: ``(head_dim,)`` RMSNorm weight applied to the raw key, or ``None``.
+        eps: the RMSNorm epsilon.
+        rope: ``None``, a float theta, or ``(cos, sin)`` float32 ``(max_position, head_dim)``.
+        positions: ``(batch, seq)`` integer absolute positions, or ``None`` (``sink_lengths[b]
+            + index``).
+        sink_keys, sink_values, recent_keys, recent_values: ``(batch, kv_heads, n, head_dim)``
+            exact tokens in the query's dtype (keys as the model caches them: normed, rotated).
+        sink_lengths, archived_lengths, recent_lengths: ``(batch,)`` int32 on the device.
+        scale: the softmax scale.
+    """
+
+    query: torch.Tensor
+    codes: torch.Tensor
+    levels: tuple[int, ...]
+    key_decoder: torch.Tensor
+    value_decoder: torch.Tensor
+    key_bias: torch.Tensor | None
+    value_bias: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    rope: object
+    positions: torch.Tensor | None
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    recent_keys: torch.Tensor
+    recent_values: torch.Tensor
+    sink_lengths: torch.Tensor
+    archived_lengths: torch.Tensor
+    recent_lengths: torch.Tensor
+    scale: float
+
+    @property
+    def width(self) -> int:
+        return self.key_decoder.shape[2]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.key_decoder.shape[0]
+
+
+def kernel_limit(problem: FsqProblem) -> str | None:
+    """Why the Triton kernel cannot run this problem (a sentence naming the limit), or
+    ``None`` when it can. Reads no tensor contents."""
+    batch, q_heads, head_dim = problem.query.shape
+    if uniform_bits(problem.levels) is None:
+        return (f"levels {sorted(set(problem.levels))[:4]} are not one uniform level among "
+                "2, 4, 16, 256 (the kernel's packed layouts); use backend='torch'")
+    if problem.width > MAX_KERNEL_WIDTH:
+        return (f"code width {problem.width} exceeds the kernel's limit of {MAX_KERNEL_WIDTH} "
+                "coordinates; use backend='torch'")
+    group = q_heads // problem.kv_heads
+    if group > MAX_KERNEL_GROUP:
+        return f"{group} query heads per kv head exceed the kernel's {MAX_KERNEL_GROUP}"
+    if head_dim % 2 or head_dim > MAX_KERNEL_HEAD_DIM:
+        return (f"head_dim {head_dim}: the kernel takes even head_dims up to "
+                f"{MAX_KERNEL_HEAD_DIM}")
+    if batch * problem.kv_heads > 65535:
+        return f"batch x kv_heads = {batch * problem.kv_heads} exceeds a grid axis (65,535)"
+    return None
+
+
+def choose_num_splits(problem: FsqProblem) -> int:
+    """Splits of the archive: about two programs per multiprocessor over all (batch, kv head)
+    pairs, each split at least ``MIN_SPLIT_LEN`` positions (the kernel is bound by its
+    matrix products, so one full wave with two programs per multiprocessor to hide latency
+    is the aim)."""
+    capacity = problem.codes.shape[1]
+    if capacity == 0:
+        return 1
+    pairs = problem.query.shape[0] * problem.kv_heads
+    wanted = math.ceil(2 * multiprocessors(problem.query.device) / pairs)
+    return max(1, min(wanted, math.ceil(capacity / MIN_SPLIT_LEN), MAX_SPLITS))
+
+
+def splits_for(problem: FsqProblem, num_splits: int | None, block_n: int = BLOCK_N):
+    """``(split length, splits)`` the kernel runs."""
+    wanted = choose_num_splits(problem) if num_splits is None else num_splits
+    return split_layout(problem.codes.shape[1], wanted, block_n)
+
+
+def scratch_bytes(problem: FsqProblem, splits: int) -> int:
+    """Bytes of the kernel's scratch: per (sequence, query head, split) the weighted code sum
+    (``pow2(width)`` float32) and the running maximum and weight sum; it grows with the splits,
+    never with the positions."""
+    batch, q_heads, _ = problem.query.shape
+    return batch * q_heads * splits * (pow2(problem.width, 16) + 2) * 4
+
+
+_TABLES: dict = {}
+
+
+def inverse_frequencies(theta: float, head_dim: int, device) -> torch.Tensor:
+    """``theta ** (-2i / head_dim)`` for ``i < head_dim / 2``, float64."""
+    i = torch.arange(head_dim // 2, dtype=torch.float64, device=device)
+    return torch.pow(torch.tensor(float(theta), dtype=torch.float64, device=device),
+                     -2.0 * i / head_dim)
+
+
+def theta_tables(theta: float, head_dim: int, device) -> tuple[torch.Tensor, ...]:
+    """``(cos_lo, sin_lo, cos_hi, sin_hi)``, each ``(2^11, head_dim / 2)`` float32: the angles
+    ``lo * inv_freq`` and ``hi * 2^11 * inv_freq`` computed in float64 (reduced exactly
+    before rounding), for the angle-sum formula the kernel applies at ``pos = hi * 2^11 + lo``
+    (positions below ``MAX_THETA_POSITION``). 64 KB each at head_dim 128: they stay in L2.
+    Cached per (theta, head_dim, device); computed on the device (no host copy, so a first
+    call inside a CUDA-graph capture works, and is then not cached)."""
+    device = torch.device(device)
+    key = (float(theta), head_dim, device)
+    tables = _TABLES.get(key)
+    if tables is None:
+        inv = inverse_frequencies(theta, head_dim, device)
+        steps = torch.arange(1 << ROPE_RADIX_BITS, dtype=torch.float64, device=device)
+        lo = steps[:, None] * inv[None, :]
+        hi = (steps * (1 << ROPE_RADIX_BITS))[:, None] * inv[None, :]
+        tables = tuple(t.to(torch.float32).contiguous()
+                       for t in (lo.cos(), lo.sin(), hi.cos(), hi.sin()))
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _TABLES[key] = tables
+    return tables
+
+
+def rope_kind(rope) -> int:
+    """The kernel's ROPE constant: 0 none, 1 theta (angle-sum tables), 2 explicit tables."""
+    if rope is None:
+        return 0
+    return 2 if isinstance(rope, tuple) else 1

@@ -1,0 +1,124 @@
+"""The compiled FSQ Triton kernels on a CUDA GPU against the float32 reference, their memory,
+and their sync-free / CUDA-graph guarantees (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fsq_cases import assert_rows_close, make_fsq_case
+
+from kernels import (
+    fsq_decode_attention,
+    fsq_kernel_takes,
+    reference_fsq_decode_attention,
+    validate_fsq_args,
+)
+from kernels._fsq_plan import scratch_bytes, splits_for
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+QWEN3 = {"q_heads": 32, "kv_heads": 8, "head_dim": 128}
+GPT2 = {"q_heads": 12, "kv_heads": 12, "head_dim": 64}
+
+
+def check(case, **kwargs):
+    out = fsq_decode_attention(**case, backend="triton", **kwargs)
+    assert_rows_close(out, reference_fsq_decode_attention(**case, out_dtype=torch.float32))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("width", [256, 84])  # Qwen3-8B at 32x and 97.5x (L = 16)
+def test_gpu_qwen3_matches_reference(dtype, width):
+    case = make_fsq_case(batch=3, width=width, archived=3000, sinks=4, recent=32, dtype=dtype,
+                         device="cuda", archived_lengths=[3000, 1777, 1],
+                         recent_lengths=[32, 0, 5], **QWEN3)
+    out = check(case)
+    assert fsq_kernel_takes(validate_fsq_args(**case))
+    torch.testing.assert_close(fsq_decode_attention(**case), out)  # auto: the kernel
+
+
+@pytest.mark.parametrize("levels,width", [(16, 192), (2, 256), (4, 100), (256, 64)])
+def test_gpu_gpt2_and_every_level(levels, width):
+    case = make_fsq_case(batch=2, width=width, levels=levels, archived=2500, rope=None,
+                         k_norm=False, device="cuda", **GPT2)
+    check(case)
+
+
+def test_gpu_float32_decoders_and_ragged_positions():
+    case = make_fsq_case(batch=2, width=128, archived=2000, decoder_dtype=torch.float32,
+                         device="cuda", positions=torch.randint(0, 4_000_000, (2, 2000)),
+                         **QWEN3)
+    check(case)
+
+
+@pytest.mark.parametrize("start", [100_000, 1_000_000])
+def test_gpu_long_context_far_positions(start):
+    # theta angles and explicit tables at positions around 1e5 and 1e6, many splits
+    case = make_fsq_case(batch=1, q_heads=8, kv_heads=2, head_dim=128, width=84,
+                         archived=60_000, positions=start, device="cuda")
+    for splits in (None, 1, 300):
+        check(case, num_splits=splits)
+    pos = torch.arange(start + 60_000, dtype=torch.float64, device="cuda")
+    inv = 1e6 ** (-torch.arange(0, 128, 2, device="cuda").double() / 128)
+    angles = torch.cat([pos[:, None] * inv] * 2, dim=1)
+    check(dict(case, rope=(angles.cos().float(), angles.sin().float())))
+
+
+def test_gpu_peak_memory_holds_no_per_position_keys_or_values():
+    case = make_fsq_case(batch=2, width=256, archived=100_000, sinks=4, recent=32,
+                         device="cuda", **QWEN3)
+    problem = validate_fsq_args(**case)
+    fsq_decode_attention(**case)  # compile, fill the RoPE table cache
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fsq_decode_attention(**case, check_codes=False)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    bound = scratch_bytes(problem, splits_for(problem, None)[1]) + (1 << 20)
+    assert extra <= bound, (extra, bound)
+    dense = 2 * 8 * 100_000 * 128 * 2 * 2
+    assert extra < dense / 100
+
+
+def _case():
+    return make_fsq_case(batch=2, width=256, archived=5000, sinks=4, recent=32, device="cuda",
+                         positions=torch.arange(5000).repeat(2, 1) + 7, **QWEN3)
+
+
+def test_gpu_call_never_waits_for_the_gpu():
+    case = _case()
+    lengths = torch.tensor([5000, 1234], device="cuda")
+    expected = fsq_decode_attention(**case, archived_lengths=lengths)  # checked: reads back
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = fsq_decode_attention(**case, archived_lengths=lengths, check_lengths=False,
+                                   check_positions=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_gpu_call_replays_from_a_cuda_graph():
+    case = _case()
+
+    def call():
+        return fsq_decode_attention(**case, backend="triton", check_positions=False)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # compiles and fills caches outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for step in range(2):  # new query and cache contents, same tensors
+        case["query"].copy_(torch.randn_like(case["query"]))
+        case["codes"].copy_(torch.randint_like(case["codes"], 256))
+        graph.replay()
+        torch.testing.assert_close(out, call(), rtol=0, atol=0, msg=f"replay {step}")

@@ -1,0 +1,151 @@
+"""The FSQ Triton kernels run by Triton's CPU interpreter, against the float32 reference.
+
+Runs only in a process that has ``TRITON_INTERPRET=1`` from its start:
+``test_fsq_interpreter.py`` starts one (see ``test_kernels_interpreted.py`` for why).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 from process start; test_fsq_interpreter.py runs "
+                "this module in such a process", allow_module_level=True)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from fsq_cases import assert_rows_close, make_fsq_case  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kernels import (  # noqa: E402
+    decode_fsq_problem,
+    fsq_decode_attention,
+    reference_fsq_decode_attention,
+    validate_fsq_args,
+)
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def check(case, **kwargs):
+    out = fsq_decode_attention(**case, backend="triton", **kwargs)
+    assert out.dtype == case["query"].dtype
+    assert_rows_close(out, reference_fsq_decode_attention(**case, out_dtype=torch.float32))
+    return out
+
+
+def test_interpreter_loop_bounds_accept_one_element_arrays():
+    # Triton 3.6's interpreter holds scalars as 1-d arrays; kernels._common patches the
+    # conversion of a loop bound (without it, NumPy 2 raises "only 0-dimensional arrays")
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    import kernels._common  # noqa: F401  (installs the patch)
+
+    scope = interpreter._LangPatchScope()
+    interpreter._patch_lang_tensor(tl.tensor, scope)
+    try:
+        t = tl.tensor(interpreter.TensorHandle(np.array([7], dtype=np.int32), tl.int32),
+                      tl.int32)
+        assert operator.index(t) == 7 and len(range(t)) == 7
+    finally:
+        scope.restore()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2), (3, 1)])
+def test_qwen3_path_matches_reference(dtype, q_heads, kv_heads):
+    case = make_fsq_case(q_heads=q_heads, kv_heads=kv_heads, dtype=dtype, archived=150,
+                         archived_lengths=[150, 77], recent_lengths=[3, 1])
+    check(case, num_splits=3)
+
+
+@pytest.mark.parametrize("levels,width", [(2, 40), (4, 33), (16, 84), (256, 17)])
+def test_every_kernel_level(levels, width):
+    check(make_fsq_case(levels=levels, width=width, archived=70), num_splits=2)
+
+
+def test_gpt2_path_no_rope_no_norm_no_bias():
+    case = make_fsq_case(q_heads=4, kv_heads=4, head_dim=64, width=48, rope=None,
+                         k_norm=False, bias=False, archived=90, archived_lengths=[90, 31])
+    check(case, num_splits=2)
+
+
+@pytest.mark.parametrize("start", [100_000, 1_000_000])
+def test_positions_near_a_million_theta_and_tables(start):
+    # angles exact to float32 far out: the reference takes them in float64
+    case = make_fsq_case(archived=70, positions=start, head_dim=32)
+    check(case, num_splits=2)
+    pos = torch.arange(start + 80, dtype=torch.float64)
+    inv = 1e6 ** (-torch.arange(0, 32, 2).double() / 32)
+    angles = torch.cat([pos[:, None] * inv] * 2, dim=1)
+    check(dict(case, rope=(angles.cos().float(), angles.sin().float())), num_splits=2)
+
+
+def test_ragged_positions_and_float32_decoders():
+    case = make_fsq_case(archived=50, decoder_dtype=torch.float32,
+                         positions=torch.randint(0, 3_000_000, (2, 50)))
+    check(case, num_splits=3)
+
+
+def test_archive_only_exact_only_and_empty_sequences_archive():
+    check(make_fsq_case(sinks=None, recent=None, archived=30))
+    check(make_fsq_case(archived=0, sinks=2, recent=5))
+    check(make_fsq_case(batch=3, archived=64, archived_lengths=[64, 0, 1],
+                        sink_lengths=[2, 0, 1], recent_lengths=[0, 3, 0]), num_splits=4)
+
+
+def test_split_count_does_not_change_the_result():
+    case = make_fsq_case(archived=200)
+    outs = [check(case, num_splits=n).float() for n in (1, 2, 5)]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=2e-3, atol=2e-3)
+
+
+def test_large_scores_do_not_overflow():
+    case = make_fsq_case(archived=60)
+    case["query"] = case["query"] * 30
+    check(case, num_splits=2)
+
+
+def test_trusted_path_runs_the_kernel():
+    problem = validate_fsq_args(**make_fsq_case(archived=40, archived_lengths=[40, 9]))
+    assert_rows_close(decode_fsq_problem(problem, backend="triton"),
+                      decode_fsq_problem(problem, backend="torch").float())
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batch=st.integers(1, 2),
+    kv_heads=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 5]),
+    head_dim=st.sampled_from([16, 20, 64]),
+    width=st.integers(1, 70),
+    levels=st.sampled_from([2, 4, 16, 256]),
+    archived=st.integers(0, 140),
+    sinks=st.integers(0, 3),
+    recent=st.integers(0, 4),
+    rope=st.sampled_from([None, 10_000.0]),
+    dtype=st.sampled_from(DTYPES),
+    splits=st.integers(1, 4),
+    data=st.data(),
+)
+def test_property_matches_reference(batch, kv_heads, group, head_dim, width, levels, archived,
+                                    sinks, recent, rope, dtype, splits, data):
+    lengths = {
+        name: data.draw(st.lists(st.integers(0, full), min_size=batch, max_size=batch),
+                        label=name)
+        for name, full in (("archived_lengths", archived), ("sink_lengths", sinks),
+                           ("recent_lengths", recent))
+    }
+    assume(all(sum(lengths[n][b] for n in lengths) > 0 for b in range(batch)))
+    case = make_fsq_case(batch=batch, q_heads=kv_heads * group, kv_heads=kv_heads,
+                         head_dim=head_dim, width=width, levels=levels, archived=archived,
+                         sinks=sinks, recent=recent, rope=rope, dtype=dtype, seed=archived,
+                         k_norm=rope is not None, **lengths)
+    check(case, num_splits=splits)

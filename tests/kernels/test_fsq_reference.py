@@ -1,0 +1,197 @@
+"""FSQ decode attention on the CPU: the packing contract, argument checks, the RoPE angle
+reduction and the torch reference against transformers' Qwen3 key path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from fsq_cases import QWEN3_THETA, assert_rows_close, make_fsq_case
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kernels import (
+    decode_fsq_problem,
+    fsq_decode_attention,
+    fsq_kernel_takes,
+    fsq_pack,
+    fsq_unpack,
+    reference_fsq_decode_attention,
+    validate_fsq_args,
+)
+from kernels._fsq_plan import MAX_THETA_POSITION, ROPE_RADIX_BITS, scratch_bytes, theta_tables
+from kernels.fsq_reference import reconstruct_keys, rope_cos_sin
+
+
+def test_bit_order_is_little_endian():
+    # L=16: coordinate 2k is the low nibble of byte k
+    assert fsq_pack(torch.tensor([1, 2, 3]), 16).tolist() == [0x21, 0x03]
+    # L=4: two bits each, the first coordinate in the lowest bits
+    assert fsq_pack(torch.tensor([1, 2, 3, 0]), 4).tolist() == [1 | 2 << 2 | 3 << 4]
+    # mixed levels 8, 5, 3: 3 + 3 + 2 bits in one byte
+    assert fsq_pack(torch.tensor([5, 4, 2]), [8, 5, 3]).tolist() == [5 | 4 << 3 | 2 << 6]
+    assert fsq_pack(torch.tensor([200, 7]), 256).tolist() == [200, 7]
+    assert fsq_pack(torch.tensor([1] * 9), 2).tolist() == [255, 1]
+
+
+@given(
+    levels=st.one_of(st.sampled_from([2, 4, 16, 256, 3, 5, 8, 1000]),
+                     st.lists(st.integers(2, 300), min_size=1, max_size=12)),
+    rows=st.integers(0, 3),
+    width=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+)
+def test_pack_round_trip(levels, rows, width, seed):
+    if not isinstance(levels, int):
+        width = len(levels)
+    g = torch.Generator().manual_seed(seed)
+    top = torch.tensor(levels if not isinstance(levels, int) else [levels] * width)
+    codes = torch.randint(0, 1 << 20, (rows, width), generator=g) % top
+    packed = fsq_pack(codes, levels)
+    bits = sum(math.ceil(math.log2(v)) for v in top.tolist())
+    assert packed.dtype == torch.uint8 and packed.shape == (rows, math.ceil(bits / 8))
+    assert torch.equal(fsq_unpack(packed, levels, width), codes)
+
+
+def test_pack_and_unpack_refuse_what_does_not_fit():
+    with pytest.raises(ValueError, match="outside"):
+        fsq_pack(torch.tensor([16]), 16)
+    with pytest.raises(ValueError, match="outside"):
+        fsq_pack(torch.tensor([-1]), 16)
+    with pytest.raises(ValueError, match="integer"):
+        fsq_pack(torch.tensor([1.0]), 16)
+    with pytest.raises(ValueError, match="levels has 2 entries"):
+        fsq_pack(torch.tensor([1, 2, 3]), [4, 4])
+    with pytest.raises(ValueError, match=">= 2"):
+        fsq_pack(torch.tensor([0]), 1)
+    with pytest.raises(ValueError, match="packed must be uint8"):
+        fsq_unpack(torch.zeros(3, dtype=torch.uint8), 16, 3)
+
+
+def _raises(match, **changes):
+    case = make_fsq_case()
+    case.update(changes)
+    with pytest.raises(ValueError, match=match):
+        fsq_decode_attention(**case)
+
+
+def test_arguments_are_checked_and_named():
+    case = make_fsq_case()
+    q, kd = case["query"], case["key_decoder"]
+    _raises("codes must have dtype", codes=case["codes"].to(torch.int16))
+    _raises("codes has shape .*packed bytes", codes=case["codes"][..., :-1])
+    _raises("levels has 3 entries", levels=[16, 16, 16])
+    _raises("value_decoder has shape", value_decoder=case["value_decoder"][..., :-1])
+    _raises("key_decoder has shape", key_decoder=kd[:, :-1])
+    _raises("not a multiple", query=q[:, :3])
+    _raises("key_bias must have shape", key_bias=case["key_bias"][:, :-1])
+    _raises("k_norm has shape", k_norm=case["k_norm"][:-1])
+    _raises("norm_eps", norm_eps=0.0)
+    _raises("rope must be None", rope="theta")
+    _raises("rope must be None", rope=True)
+    _raises("rope cos must have dtype", rope=(torch.ones(100, 32).half(), torch.ones(100, 32)))
+    _raises("positions must have shape", positions=torch.zeros(2, 3, dtype=torch.int64))
+    _raises("positions hold values from", positions=torch.full((2, 40), MAX_THETA_POSITION))
+    _raises("RoPE tables' rows", positions=torch.full((2, 40), 100),
+            rope=(torch.ones(100, 32), torch.ones(100, 32)))
+    _raises("default positions", rope=(torch.ones(30, 32), torch.ones(30, 32)))
+    _raises("archived_lengths must lie", archived_lengths=[41, 2])
+    _raises("backend must be", backend="cuda")
+    _raises("num_splits", num_splits=0)
+    bad = fsq_pack(torch.zeros(2, 40, 24, dtype=torch.int64), [5] * 24)
+    bad[0, 0, 0] = 7  # coordinate 0 of level 5 holds 7
+    _raises("codes hold 1 coordinates at or above", levels=[5] * 24, codes=bad)
+
+
+@pytest.mark.parametrize("change,limit", [
+    ({"width": 300}, "exceeds the kernel's limit of 256"),
+    ({"levels": 8}, "not one uniform level"),
+    ({"levels": [16] * 23 + [4]}, "not one uniform level"),
+])
+def test_triton_names_the_kernel_limit(change, limit):
+    case = make_fsq_case(**({"width": len(change["levels"])} if "levels" in change and
+                            not isinstance(change["levels"], int) else {}), **change)
+    with pytest.raises(ValueError, match=limit):
+        fsq_decode_attention(**case, backend="triton")
+    # auto runs the reference instead
+    assert not fsq_kernel_takes(validate_fsq_args(**case))
+    out = fsq_decode_attention(**case)
+    torch.testing.assert_close(out, reference_fsq_decode_attention(**case))
+
+
+def test_triton_on_cpu_tensors_needs_the_interpreter():
+    pytest.importorskip("triton")
+    from kernels._common import interpreted
+
+    if interpreted():
+        pytest.skip("this process interprets")
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        fsq_decode_attention(**make_fsq_case(), backend="triton")
+
+
+def test_theta_tables_reduce_angles_exactly():
+    # the kernel's angle sum at pos = hi * 2^11 + lo, emulated in float32, against float64
+    head_dim = 128
+    cos_lo, sin_lo, cos_hi, sin_hi = theta_tables(QWEN3_THETA, head_dim, "cpu")
+    pos = torch.tensor([0, 1, 2047, 2048, 99_999, 100_000, 131_071, 999_999, 1_000_000,
+                        MAX_THETA_POSITION - 1])
+    lo, hi = pos & ((1 << ROPE_RADIX_BITS) - 1), pos >> ROPE_RADIX_BITS
+    cos = cos_lo[lo] * cos_hi[hi] - sin_lo[lo] * sin_hi[hi]
+    sin = sin_lo[lo] * cos_hi[hi] + cos_lo[lo] * sin_hi[hi]
+    exact_cos, exact_sin = rope_cos_sin(QWEN3_THETA, pos, head_dim)
+    assert (cos - exact_cos[:, :64]).abs().max() < 1e-6
+    assert (sin - exact_sin[:, :64]).abs().max() < 1e-6
+    # a float32 product of position and frequency (transformers' way) is off by far more
+    inv = (QWEN3_THETA ** (-torch.arange(0, head_dim, 2).float() / head_dim))
+    naive = (pos[:, None].float() * inv[None, :]).cos()
+    assert (naive - exact_cos[:, :64]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("positions", [None, 100_000, 1_000_000])
+def test_reference_keys_match_transformers_qwen3(positions):
+    qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    case = make_fsq_case(head_dim=64, width=20, archived=30, decoder_dtype=torch.float32,
+                         positions=positions, sinks=3)
+    problem = validate_fsq_args(**case)
+    codes = fsq_unpack(case["codes"], 16, 20)[0].float()
+    raw = torch.einsum("hdw,nw->hnd", case["key_decoder"], codes) + case["key_bias"][:, None]
+    norm = qwen3.Qwen3RMSNorm(64, eps=1e-6)
+    norm.weight.data.copy_(case["k_norm"])
+    pos = (torch.arange(30) + (3 if positions is None else positions)).double()
+    inv = QWEN3_THETA ** (-torch.arange(0, 64, 2).double() / 64)
+    angles = torch.cat([pos[:, None] * inv, pos[:, None] * inv], dim=1)
+    cos, sin = angles.cos().float()[None], angles.sin().float()[None]
+    normed = norm(raw)[None]
+    expected, _ = qwen3.apply_rotary_pos_emb(normed, normed, cos, sin)
+    torch.testing.assert_close(reconstruct_keys(problem, 0, codes), expected[0],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_reference_against_dense_attention_and_tables_equal_theta():
+    case = make_fsq_case(archived=25, archived_lengths=[25, 9], recent_lengths=[1, 3],
+                         )
+    pos = torch.arange(64, dtype=torch.float64)
+    inv = QWEN3_THETA ** (-torch.arange(0, 32, 2).double() / 32)
+    angles = torch.cat([pos[:, None] * inv] * 2, dim=1)
+    tables = (angles.cos().float(), angles.sin().float())
+    by_theta = reference_fsq_decode_attention(**case, out_dtype=torch.float32)
+    by_tables = reference_fsq_decode_attention(**dict(case, rope=tables),
+                                               out_dtype=torch.float32)
+    torch.testing.assert_close(by_tables, by_theta, rtol=1e-5, atol=1e-5)
+    # values: the decoder applied to the weighted code sum equals attention over dense values
+    problem = validate_fsq_args(**case)
+    assert_rows_close(decode_fsq_problem(problem, backend="torch"), by_theta)
+
+
+def test_gpt2_shapes_without_rope_or_norm():
+    case = make_fsq_case(q_heads=3, kv_heads=3, head_dim=16, rope=None, k_norm=False,
+                         bias=False, levels=4, width=10)
+    out = fsq_decode_attention(**case)
+    assert out.shape == (2, 3, 16) and out.dtype == torch.float16
+
+
+def test_scratch_does_not_grow_with_positions():
+    short = validate_fsq_args(**make_fsq_case(archived=10))
+    long = validate_fsq_args(**make_fsq_case(archived=5000))
+    assert scratch_bytes(short, 4) == scratch_bytes(long, 4) == 2 * 4 * 4 * (32 + 2) * 4
