@@ -15,9 +15,9 @@ the one commit); a stream's stored points (``_stored``), search and ``Stream``; 
 from __future__ import annotations
 
 from fkvstore._version import __version__
-from fkvstore.archive import Archive, open
+from fkvstore.archive import Archive, copy, open
 from fkvstore.codec import Codec
 from fkvstore.errors import FkvError
 from fkvstore.stream import Stream, TextStream
 
-__all__ = ["Archive", "Codec", "FkvError", "Stream", "TextStream", "__version__", "open"]
+__all__ = ["Archive", "Codec", "FkvError", "Stream", "TextStream", "__version__", "copy", "open"]
