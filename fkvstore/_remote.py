@@ -113,6 +113,8 @@ class RemoteObject(io.RawIOBase):
         self.url = url
         fs, path = _filesystem(url, storage_options)
         try:
+            # a listing cached by fsspec may describe an older object: ask the storage (HEAD)
+            fs.invalidate_cache(path)
             # cache_type "none": each read of the fsspec file is one request (ours decides)
             self._f = fs.open(path, "rb", cache_type="none", block_size=block_bytes)
             self.size = int(self._f.size)

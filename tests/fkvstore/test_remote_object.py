@@ -211,3 +211,13 @@ def test_an_unclosed_remote_archive_does_not_crash_the_interpreter(local_archive
     done = subprocess.run([sys.executable, "-c", code, f"file://{path}"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "read" in done.stdout, done.stderr
+
+
+def test_missing_extras_skip_or_fail_as_asked(monkeypatch):
+    monkeypatch.delenv("FKV_REQUIRE_REMOTE", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no_such_package_fkv"):
+        skip_unless_installed(("no_such_package_fkv",))
+    monkeypatch.setenv("FKV_REQUIRE_REMOTE", "1")
+    with pytest.raises(pytest.fail.Exception, match="forbids skipping"):
+        skip_unless_installed(("no_such_package_fkv",))
+    skip_unless_installed(("fsspec",))  # present: neither

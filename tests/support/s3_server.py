@@ -140,7 +140,7 @@ class S3Server:
 
     def options(self, key: str, secret: str) -> dict:
         """fsspec storage options for this server with the given credentials."""
-        return {"key": key, "secret": secret, "skip_instance_cache": True,
+        return {"key": key, "secret": secret,
                 "client_kwargs": {"endpoint_url": self.endpoint, "region_name": REGION}}
 
     def _setup(self) -> tuple[str, str]:
