@@ -2,31 +2,37 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.fkv-installed
+CORE := $(VENV)/.fkv-core
+FULL := $(VENV)/.fkv-full
 
 .PHONY: demo test lint bench venv clean
 
-$(STAMP): pyproject.toml
+# the library alone (numpy, numba, h5py, scipy): all the demo needs
+$(CORE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# the CPU build of torch first, so the `models` extra does not pull a CUDA build
+	$(PY) -m pip install -q -e .
+	touch $(CORE)
+
+# every extra, for the tests: the CPU build of torch first, so `models` does not pull a CUDA build
+$(FULL): $(CORE)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[models,gpu,dev,remote,test]'
-	touch $(STAMP)
+	touch $(FULL)
 
-venv: $(STAMP)
+venv: $(FULL)
 
-demo: $(STAMP)
+demo: $(CORE)
 	$(PY) -m fkvstore.demo
 
 # the remote extras are installed here, so their tests must run, not skip (docs/remote.md)
-test: $(STAMP)
+test: $(FULL)
 	FKV_REQUIRE_REMOTE=1 $(PY) -m pytest -q
 
-lint: $(STAMP)
+lint: $(FULL)
 	$(VENV)/bin/ruff check .
 
-bench: $(STAMP)
+bench: $(FULL)
 	$(PY) bench/codec.py
 
 clean:

@@ -28,13 +28,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from model_adapters import archive_io  # noqa: E402
-from model_adapters.adapters import kv_shape  # noqa: E402
-from model_adapters.code_rows import CodeRows  # noqa: E402
-from model_adapters.collect import collect_kv  # noqa: E402
-from model_adapters.configs import parse_config  # noqa: E402
-from model_adapters.hf_cache import ArchivingCache, cache_kwarg  # noqa: E402
-from model_adapters.quantizer import train_kv_quantizer  # noqa: E402
+from model_adapters.caches.archiving import ArchivingCache  # noqa: E402
+from model_adapters.caches.code_rows import CodeRows  # noqa: E402
+from model_adapters.models import (
+    cache_kwarg,  # noqa: E402
+    kv_shape,  # noqa: E402
+)
+from model_adapters.quant.collect import collect_kv  # noqa: E402
+from model_adapters.quant.configs import parse_config  # noqa: E402
+from model_adapters.quant.quantizer import train_kv_quantizer  # noqa: E402
+from model_adapters.store import archive_io  # noqa: E402
 
 
 @torch.no_grad()
@@ -96,25 +99,20 @@ def main(argv=None) -> int:
     names = ["dynamic", "archiving", f"archiving-block{args.block}"]
     blocks = {"archiving": 1, f"archiving-block{args.block}": args.block}
     per_step = {name: [] for name in names}  # per round: the list of step times
-    writes_archive = archive_io.archive_available()
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for which in names[r % 3 :] + names[: r % 3]:
                 if which == "dynamic":
                     cache, ar = DynamicCache(config=cfg), None
                 else:
-                    ar = None
-                    if writes_archive:
-                        ar, stream = archive_io.open_for_writing(
-                            Path(tmp) / f"round{r}-{which}.fkv",
-                            model,
-                            quantizer,
-                            sinks=args.sinks,
-                            recent=args.recent,
-                        )
-                        rows = CodeRows(shape.num_layers, stream.extend)
-                    else:
-                        rows = CodeRows(shape.num_layers, None, keep=True)
+                    ar, stream = archive_io.open_for_writing(
+                        Path(tmp) / f"round{r}-{which}.fkv",
+                        model,
+                        quantizer,
+                        sinks=args.sinks,
+                        recent=args.recent,
+                    )
+                    rows = CodeRows(shape.num_layers, stream.extend)
                     cache = ArchivingCache(
                         model,
                         quantizer,
@@ -149,7 +147,7 @@ def main(argv=None) -> int:
         "prefill": args.prefill,
         "steps": args.steps,
         "rounds": args.rounds,
-        "archive_written": writes_archive,
+        "archive_written": True,
         "caches": caches,
         "train_tokens": args.train_tokens,
         "kmeans_iters": args.kmeans_iters,
@@ -159,7 +157,7 @@ def main(argv=None) -> int:
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
     }
-    what = "quantize + archive" if writes_archive else "quantize, rows kept"
+    what = "quantize + archive"
     labels = {
         "dynamic": "DynamicCache",
         "archiving": f"archiving ({what}), each position as it leaves",

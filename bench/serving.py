@@ -31,18 +31,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import machine, markdown_table, write_json  # noqa: E402
-from model_adapters.adapters import kv_shape, max_positions  # noqa: E402
-from model_adapters.archive_io import archive_available  # noqa: E402
-from model_adapters.collect import collect_kv  # noqa: E402
-from model_adapters.configs import parse_config  # noqa: E402
-from model_adapters.hf_cache import cache_kwarg  # noqa: E402
-from model_adapters.quantizer import train_kv_quantizer  # noqa: E402
-from model_adapters.serving import (  # noqa: E402
+from model_adapters.caches.codes_only import (  # noqa: E402
     CodesOnlyCache,
     dense_cache_bytes,
     use_codes_attention,
 )
-from model_adapters.text import clean_text, split_tokens  # noqa: E402
+from model_adapters.experiments.text import clean_text, split_tokens  # noqa: E402
+from model_adapters.models import (  # noqa: E402
+    cache_kwarg,  # noqa: E402
+    kv_shape,
+    max_positions,
+)
+from model_adapters.quant.collect import collect_kv  # noqa: E402
+from model_adapters.quant.configs import parse_config  # noqa: E402
+from model_adapters.quant.quantizer import train_kv_quantizer  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -80,7 +82,7 @@ def drive(cache, keys, values, n: int, chunk: int):
         for li in range(len(keys)):
             cache.update(keys[li][:, :, idx], values[li][:, :, idx], li)
             if codes_only:
-                cache.layers[li].attention_state()  # what the attention function does
+                cache.layers[li].coded_cache()  # what the attention function does
 
 
 def measure_memory(model, q, ids, sizes, window, chunk):
@@ -120,7 +122,7 @@ def measure_memory(model, q, ids, sizes, window, chunk):
 def measure_resume(model, q, ids, n, window, chunk, repeats):
     from transformers import DynamicCache
 
-    from model_adapters import serving_archive
+    from model_adapters.store import serving_archive
 
     kw = cache_kwarg(model)
     nxt = torch.tensor([[ids[n]]])
@@ -208,15 +210,12 @@ def main(argv=None):
         entry = {"model_dir": Path(model_dir).name, "shape": str(shape), "train_s": train_s,
                  "text_repeated": repeated, "memory": measure_memory(
                      model, q, ids, args.tokens, window, args.chunk), "resume": []}
-        if archive_available():
-            for n in args.resume_tokens:
-                if n + 1 > limit:
-                    print(f"  resume at {n} tokens skipped: beyond {limit} positions")
-                    continue
-                entry["resume"].append(
-                    measure_resume(model, q, ids, n, window, args.chunk, args.repeats))
-        else:
-            print("  resume skipped: this fkvstore has no persistent archive")
+        for n in args.resume_tokens:
+            if n + 1 > limit:
+                print(f"  resume at {n} tokens skipped: beyond {limit} positions")
+                continue
+            entry["resume"].append(
+                measure_resume(model, q, ids, n, window, args.chunk, args.repeats))
         results["models"].append(entry)
         print(markdown_table(entry["memory"], [
             ("tokens", "tokens"), ("dynamic_bytes", "DynamicCache B"),

@@ -24,14 +24,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import machine, markdown_table, write_json  # noqa: E402
-from model_adapters.adapters import kv_shape  # noqa: E402
-from model_adapters.hf_cache import cache_kwarg  # noqa: E402
-from model_adapters.quantizer import KVQuantizer  # noqa: E402
-from model_adapters.serving import (  # noqa: E402
+from model_adapters.caches.codes_only import (  # noqa: E402
     CodesOnlyCache,
     dense_cache_bytes,
     use_codes_attention,
 )
+from model_adapters.models import (
+    cache_kwarg,  # noqa: E402
+    kv_shape,  # noqa: E402
+)
+from model_adapters.quant.quantizer import KVQuantizer  # noqa: E402
 
 
 def big_qwen3(layers: int, device, dtype):
@@ -65,7 +67,7 @@ def fill(cache, shape, n, device, dtype, chunk=8192):
             v = torch.randn(1, shape.kv_heads, m, shape.head_dim, generator=g, device=device)
             cache.update(k.to(dtype), v.to(dtype), li)
             if codes_only:
-                cache.layers[li].attention_state()
+                cache.layers[li].coded_cache()
 
 
 @torch.no_grad()

@@ -222,6 +222,10 @@ class Archive:
         except (OSError, RuntimeError, KeyError) as exc:
             raise ArchiveFormatError(f"{self.path!r} is damaged: {exc}") from exc
         if not found:
+            if isinstance(name, str) and name in self.array_names():
+                raise StreamNotFoundError(
+                    f"{name!r} in {self.path!r} is an array, not a stream: read it with "
+                    f"get_array({name!r})")
             known = ", ".join(map(repr, self)) or "none"
             raise StreamNotFoundError(
                 f"no stream {name!r} in {self.path!r} (streams: {known}); create it with "

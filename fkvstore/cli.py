@@ -1,4 +1,5 @@
-"""The ``fkv`` command: ``demo``, ``info``, ``verify``, ``get`` and ``append``.
+"""The ``fkv`` command: ``demo``, ``info``, ``verify``, ``get``, ``append``, ``search`` and
+``index``.
 
 See ``docs/cli.md``. Exit status 0 on success, 1 when ``verify`` finds damage, 2 on bad usage,
 bad input or an error opening or reading the archive (a one-line ``fkv: ...`` message on standard
@@ -8,7 +9,9 @@ error, no traceback).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +20,35 @@ import fkvstore
 from fkvstore import _validate
 from fkvstore._progress import progress_bar
 from fkvstore.codec import Codec
-from fkvstore.errors import FkvError
+from fkvstore.errors import FkvError, StreamNotFoundError
 
 __all__ = ["main"]
 
 
 class CliError(Exception):
     """A user error the command reports as ``fkv: <message>`` with exit status 2."""
+
+
+def _non_negative(text: str) -> int:
+    """argparse type: an int >= 0, else an error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
+    return value
+
+
+def _stream(ar, file: str, name: str):
+    """Stream ``name`` of an open archive, or a CliError that says how to create it."""
+    try:
+        return ar[name]
+    except StreamNotFoundError:
+        known = ", ".join(map(repr, ar)) or "none"
+        raise CliError(
+            f"no stream {name!r} in {file} (streams: {known}); create one with "
+            f"'fkv append {file} {name} --text' or '--alphabet-size N'") from None
 
 
 def _parse_range(text: str, length: int, name: str = "") -> tuple[int, int]:
@@ -90,7 +115,7 @@ def cmd_verify(args) -> int:
 
 def cmd_get(args) -> int:
     with fkvstore.open(args.file) as ar:
-        s = ar[args.stream]
+        s = _stream(ar, args.file, args.stream)
         start, stop = _parse_range(args.range, len(s), args.stream)
         if s.kind == "text":
             sys.stdout.buffer.write(s.bytes(start, stop))
@@ -139,14 +164,27 @@ def cmd_append(args) -> int:
             if args.stream in ar:
                 s = ar[args.stream]
                 existing = (s.kind, s.width, s.codec.alphabet_size)
+    creation = [flag for flag, given in (
+        ("--text", args.text), ("--alphabet-size", args.alphabet_size is not None),
+        ("--width", args.width is not None), ("--geometry", args.geometry is not None)) if given]
     if existing is not None:
         kind, width, alphabet_size = existing
+        if creation:
+            raise CliError(
+                f"stream {args.stream!r} already exists ({kind}, width {width}, alphabet "
+                f"{alphabet_size}); {', '.join(creation)} only create a stream: leave them out "
+                "to append to it; nothing appended")
     elif args.text:
+        if creation != ["--text"]:
+            raise CliError(f"--text creates a byte stream; {', '.join(creation[1:])} do not "
+                           "apply to it")
         kind, width, alphabet_size = "text", 1, 256
     elif args.alphabet_size is not None:
-        Codec(args.alphabet_size, args.geometry)  # raises naming a bad size
-        _validate.integer(args.width, "--width", low=1)
-        kind, width, alphabet_size = "symbols", args.width, args.alphabet_size
+        width = 1 if args.width is None else args.width
+        geometry = args.geometry or "grid"
+        Codec(args.alphabet_size, geometry)  # raises naming a bad size
+        _validate.integer(width, "--width", low=1)
+        kind, alphabet_size = "symbols", args.alphabet_size
     else:
         raise CliError(
             f"no stream {args.stream!r} in {args.file}; pass --text or --alphabet-size N to "
@@ -161,55 +199,93 @@ def cmd_append(args) -> int:
             if kind == "text":
                 ar.create_text_stream(args.stream)
             else:
-                ar.create_stream(
-                    args.stream, alphabet_size, width=width, geometry=args.geometry
-                )
+                ar.create_stream(args.stream, alphabet_size, width=width, geometry=geometry)
         s = ar[args.stream]
         before = len(s)
-        s.extend(data)
+        step = 1 << 20  # rows per extend: the bar moves on large inputs
+        with progress_bar(len(data), "append", len(data) > step, unit="row") as bar:
+            for a in range(0, len(data), step):
+                s.extend(data[a:a + step])
+                bar.update(min(step, len(data) - a))
         print(
             f"appended {len(s) - before} row(s) to {args.stream!r}; now {len(s)}", file=sys.stderr
         )
     return 0
 
 
+def _query(args, s):
+    """The search query: bytes for a text stream (``--hex``, or the argument's own bytes, so
+    a query that is not UTF-8 still searches), else a list of ints."""
+    if args.hex:
+        if s.kind != "text":
+            raise CliError("--hex gives raw bytes; it applies to text streams only")
+        try:
+            return bytes.fromhex(args.query)
+        except ValueError:
+            raise CliError(f"--hex query {args.query!r} is not hexadecimal byte pairs "
+                           "(e.g. 'e2 80 9c')") from None
+    if s.kind == "text":
+        return os.fsencode(args.query)  # undecodable argument bytes come back unchanged
+    try:
+        return [int(v) for v in args.query.replace(",", " ").split()]
+    except ValueError:
+        raise CliError(
+            f"the query of a symbol stream is integers separated by spaces or commas, "
+            f"got {args.query!r}"
+        ) from None
+
+
 def cmd_search(args) -> int:
     with fkvstore.open(args.file) as ar:
-        s = ar[args.stream]
-        if s.kind == "text":
-            query = args.query.encode("utf-8")
-        else:
-            try:
-                query = [int(v) for v in args.query.replace(",", " ").split()]
-            except ValueError:
-                raise CliError(
-                    f"the query of a symbol stream is integers separated by spaces or commas, "
-                    f"got {args.query!r}"
-                ) from None
+        s = _stream(ar, args.file, args.stream)
+        query = _query(args, s)
         if not len(query):
             raise CliError("empty query; give at least one symbol")
-        if not 0 <= args.column < s.width:
+        if not args.column < s.width:
             raise CliError(
                 f"--column {args.column}: stream {args.stream!r} has width {s.width} "
                 f"(columns 0..{s.width - 1})"
             )
+        started = time.perf_counter()
         hits = s.search(query, column=args.column)
-        print(f"{len(hits)} hit(s) of {args.query!r} in {args.stream!r} ({len(s):,} rows)",
-              file=sys.stderr)
-        for p in hits[: args.limit].tolist():
+        took = time.perf_counter() - started
+        shown = hits[: args.limit].tolist()
+        print(f"{len(hits)} hit(s) of {args.query!r} in {args.stream!r} ({len(s):,} rows), "
+              f"{len(shown)} shown", file=sys.stderr)
+        if took > 1.0 and not s.has_saved_index(args.column):
+            print(f"(the index took {took:.1f} s to build; 'fkv index {args.file} "
+                  f"{args.stream}' keeps it in the file)", file=sys.stderr)
+        label = query.decode("utf-8", "replace") if isinstance(query, bytes) else args.query
+        for p in shown:
             start = p - len(query) + 1
             if s.kind == "text":
                 before = s.bytes(max(0, start - args.context), start)
                 after = s.bytes(p + 1, min(len(s), p + 1 + args.context))
-                line = (before.decode("utf-8", "replace") + "[" + args.query + "]"
+                line = (before.decode("utf-8", "replace") + "[" + label + "]"
                         + after.decode("utf-8", "replace"))
                 print(f"{start}:{p + 1}\t{line.replace(chr(10), ' ')}")
             else:
                 ctx = s.context(p, len(query) - 1 + args.context, args.context,
                                 column=args.column)
                 print(f"{start}:{p + 1}\t{' '.join(str(v) for v in ctx.tolist())}")
-        if len(hits) > args.limit:
-            print(f"... {len(hits) - args.limit} more (--limit)", file=sys.stderr)
+        if len(hits) > len(shown):
+            print(f"... {len(hits) - len(shown)} more (--limit)", file=sys.stderr)
+    return 0
+
+
+def cmd_index(args) -> int:
+    with fkvstore.open(args.file, "r+") as ar:
+        s = _stream(ar, args.file, args.stream)
+        if not args.column < s.width:
+            raise CliError(
+                f"--column {args.column}: stream {args.stream!r} has width {s.width} "
+                f"(columns 0..{s.width - 1})"
+            )
+        started = time.perf_counter()
+        s.build_index(args.column, persist=True)
+        print(f"index of {args.stream!r} column {args.column} ({len(s):,} rows) built and "
+              f"stored in {args.file} in {time.perf_counter() - started:.1f} s; 'fkv search' "
+              "now loads it", file=sys.stderr)
     return 0
 
 
@@ -221,6 +297,7 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fkv", description="fkvstore archives on the command line")
+    p.add_argument("--version", action="version", version=f"fkv {fkvstore.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="archive a book, compare sizes, read, append, reopen")
     d.add_argument(
@@ -246,15 +323,26 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("stream")
     a.add_argument("--text", action="store_true", help="create a text stream if missing")
     a.add_argument("--alphabet-size", type=int, help="create a symbol stream if missing")
-    a.add_argument("--width", type=int, default=1, help="with --alphabet-size (default 1)")
-    a.add_argument("--geometry", choices=["grid", "ring"], default="grid")
+    a.add_argument("--width", type=int, help="with --alphabet-size (default 1)")
+    a.add_argument("--geometry", choices=["grid", "ring"],
+                   help="with --alphabet-size (default grid)")
     f = sub.add_parser("search", help="exact substring search, hits printed with context")
     f.add_argument("file")
     f.add_argument("stream")
     f.add_argument("query", help="text (text stream) or integers separated by spaces/commas")
-    f.add_argument("--column", type=int, default=0, help="column of a wide stream (default 0)")
-    f.add_argument("--context", type=int, default=30, help="rows shown on each side")
-    f.add_argument("--limit", type=int, default=20, help="hits printed at most")
+    f.add_argument("--hex", action="store_true",
+                   help="QUERY is hexadecimal bytes (a text stream's raw bytes)")
+    f.add_argument("--column", type=_non_negative, default=0,
+                   help="column of a wide stream (default 0)")
+    f.add_argument("--context", type=_non_negative, default=30,
+                   help="rows shown on each side (default 30)")
+    f.add_argument("--limit", type=_non_negative, default=20,
+                   help="hits printed at most (default 20)")
+    x = sub.add_parser("index", help="build a stream's search index and keep it in the file")
+    x.add_argument("file")
+    x.add_argument("stream")
+    x.add_argument("--column", type=_non_negative, default=0,
+                   help="column of a wide stream (default 0)")
     return p
 
 
@@ -265,6 +353,7 @@ COMMANDS = {
     "get": cmd_get,
     "append": cmd_append,
     "search": cmd_search,
+    "index": cmd_index,
 }
 
 

@@ -47,9 +47,11 @@ def _symbol_dtype(alphabet_size: int) -> np.dtype:
 class Stream(SearchMixin):
     """Rows of ``width`` symbols from ``{0, ..., alphabet_size-1}``, stored in an archive.
 
-    Reading: ``len(s)``, ``s[i]`` (shape (width,) int64, or an int when width == 1), ``s[i:j]``
-    and ``s[index_array]`` (shape (n, width) int64), negative indices, ``s[rows, columns]`` as in
-    numpy, iteration, :meth:`read`.
+    Reading: a stream reads like a numpy array of :attr:`shape` ``(len, width)``, or ``(len,)``
+    when ``width == 1``, and dtype int64: ``len(s)``, ``s[i]`` (a ``(width,)`` row, or an int),
+    ``s[i:j]`` and ``s[index_array]`` (``(n, width)``, or ``(n,)``), negative indices,
+    ``s[rows, columns]`` as in numpy, iteration, ``np.asarray(s)``; :meth:`read` always gives
+    ``(n, width)`` rows, whatever the width.
     Writing: :meth:`append`, :meth:`extend`, :meth:`truncate`. Reading one position decodes one
     span per column and reads (once, then cached) the chunk that holds it.
 
@@ -233,10 +235,14 @@ class Stream(SearchMixin):
                 )
             return self._row(i)
         if isinstance(key, tuple) and len(key) == 2:  # (rows, columns), as numpy
-            rows = self[key[0]]
-            if np.ndim(rows) < 2:
-                return np.atleast_1d(rows)[key[1]]
-            return rows[:, key[1]]
+            if isinstance(key[0], (int, np.integer)) and not isinstance(key[0], bool):
+                return np.atleast_1d(self[key[0]])[key[1]]
+            return self._select(key[0], n)[:, key[1]]
+        rows = self._select(key, n)
+        return rows[:, 0] if self.width == 1 else rows
+
+    def _select(self, key, n: int) -> np.ndarray:
+        """The ``(m, width)`` rows a slice or an integer index array picks."""
         if isinstance(key, slice):
             start, stop, step = key.indices(n)
             if step == 1:
@@ -265,8 +271,34 @@ class Stream(SearchMixin):
         return out
 
     def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Rows ``[start, stop)`` as an (n, width) int64 array (default: the whole stream)."""
-        return self[slice(start, stop)]
+        """Rows ``[start, stop)`` as an ``(n, width)`` int64 array (default: the whole stream),
+        two-dimensional for every width."""
+        return self._read_rows(slice(start, stop))
+
+    def _read_rows(self, key: slice) -> np.ndarray:
+        try:
+            self._check_open()
+            return self._select(key, len(self))
+        except StaleView:
+            return self._retry_stale(self._read_rows, key)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """``(len, width)``, or ``(len,)`` for a width-1 stream: what ``np.asarray`` gives."""
+        return (len(self),) if self.width == 1 else (len(self), self.width)
+
+    @property
+    def ndim(self) -> int:
+        return 1 if self.width == 1 else 2
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype of what reading returns (int64; the file stores fewer bytes)."""
+        return np.dtype(np.int64)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        rows = self[:]
+        return rows if dtype is None else rows.astype(dtype, copy=False)
 
     def __iter__(self) -> Iterator:
         self._check_open()
@@ -275,10 +307,7 @@ class Stream(SearchMixin):
             rows = self[a : min(n, a + _READ_BATCH_ROWS)]  # a reader may see a truncation
             if len(rows) == 0:
                 return
-            if self.width == 1:
-                yield from (int(v) for v in rows[:, 0])
-            else:
-                yield from rows
+            yield from (rows.tolist() if self.width == 1 else rows)
 
     # -- writing ----------------------------------------------------------------------------------
     def _check_symbols(self, rows, what: str, ndim: tuple[int, ...]) -> np.ndarray:

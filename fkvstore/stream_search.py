@@ -97,6 +97,12 @@ class SearchMixin:
                 self.put_aux_array(_KEY.format(key_column, name), array, tag)
         return index
 
+    def has_saved_index(self, column: int = 0) -> bool:
+        """Whether the archive holds a stored index of ``column`` (``build_index(persist=
+        True)``); a stale or damaged one is still rebuilt when a query runs."""
+        names = set(self.aux_array_names())
+        return all(_KEY.format(self._search_column(column), n) in names for n in _STATE)
+
     # ------------------------------------------------------------------ internals
     def _search_query(self, query):
         return query

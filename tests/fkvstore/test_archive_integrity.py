@@ -280,7 +280,7 @@ def test_golden_files_read_exactly():
         for name, (geometry, alphabet, width, data) in golden_content().items():
             s = ar[name]
             assert (s.codec.geometry, s.alphabet_size, s.width) == (geometry, alphabet, width)
-            np.testing.assert_array_equal(s[:], data)
+            np.testing.assert_array_equal(s.read(), data)
             np.testing.assert_array_equal(read_stream_with_h5py(path, name), data)
         assert ar["text"].text() == GOLDEN_TEXT
         np.testing.assert_array_equal(
@@ -383,13 +383,13 @@ class ArchiveModel(RuleBasedStateMachine):
     def same_content(self):
         if hasattr(self, "s"):
             assert len(self.s) == len(self.model)
-            assert self.s[:].tolist() == self.model
+            assert self.s.read().tolist() == self.model
 
     def teardown(self):
         if hasattr(self, "ar"):
             self.ar.close()
             with fkvstore.open(self.path) as ar:
-                assert ar["s"][:].tolist() == self.model
+                assert ar["s"].read().tolist() == self.model
             assert read_stream_with_h5py(self.path, "s").tolist() == self.model
         self.dir.cleanup()
 

@@ -190,3 +190,70 @@ def test_search_command_prints_hits_with_context(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == ["0:2\t1 2 3", "3:5\t3 1 2 9"]
     assert main(["search", str(path), "n", "x"]) == 2
     assert "integers separated" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"fkv {fkvstore.__version__}"
+
+
+@pytest.mark.parametrize("flag", ["--limit", "--context", "--column"])
+def test_search_refuses_negative_counts(archive, monkeypatch, capsys, flag):
+    with pytest.raises(SystemExit) as done:
+        run(["search", str(archive), "t", "l", flag, "-1"], monkeypatch=monkeypatch)
+    assert done.value.code == 2
+    assert f"argument {flag}: -1 is negative" in capsys.readouterr().err
+
+
+def test_search_limit_counts_what_it_shows(archive, monkeypatch, capsys):
+    code, out = run(["search", str(archive), "t", "l", "--limit", "1"], monkeypatch=monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 0 and len(out.decode().splitlines()) == 1
+    assert "3 hit(s)" in err and "1 shown" in err and "... 2 more" in err
+    code, out = run(["search", str(archive), "t", "l", "--limit", "0"], monkeypatch=monkeypatch)
+    assert code == 0 and out == b"" and "0 shown" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--text"], ["--alphabet-size", "50"], ["--width", "3"],
+                                   ["--geometry", "ring"]])
+def test_append_refuses_creation_flags_on_an_existing_stream(archive, monkeypatch, capsys,
+                                                             flags):
+    before = fkvstore.open(archive)["kv"].read()
+    code, _ = run(["append", str(archive), "kv", *flags], b"1 2 3\n", monkeypatch)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "already exists" in err and flags[0] in err and "nothing appended" in err
+    with fkvstore.open(archive) as ar:
+        assert np.array_equal(ar["kv"].read(), before)
+
+
+def test_text_search_takes_raw_bytes(archive, monkeypatch, capsys):
+    # "ö" is c3 b6 in UTF-8: --hex and an argument that is not valid UTF-8 both search bytes
+    code, out = run(["search", str(archive), "t", "--hex", "c3b6"], monkeypatch=monkeypatch)
+    assert code == 0 and "1 hit(s)" in capsys.readouterr().err
+    undecodable = os.fsdecode(b"\xb6r")  # half a character, then "r"
+    code, out = run(["search", str(archive), "t", undecodable], monkeypatch=monkeypatch)
+    assert code == 0 and "1 hit(s)" in capsys.readouterr().err
+    code, _ = run(["search", str(archive), "t", "--hex", "zz"], monkeypatch=monkeypatch)
+    assert code == 2 and "not hexadecimal" in capsys.readouterr().err
+    code, _ = run(["search", str(archive), "kv", "--hex", "01"], monkeypatch=monkeypatch)
+    assert code == 2 and "text streams only" in capsys.readouterr().err
+
+
+def test_missing_stream_hint_names_a_command(archive, monkeypatch, capsys):
+    code, _ = run(["get", str(archive), "nope", "0:1"], monkeypatch=monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2 and f"fkv append {archive} nope --text" in err and "()" not in err
+
+
+def test_index_is_kept_between_calls(archive, monkeypatch, capsys):
+    with fkvstore.open(archive) as ar:
+        assert not ar["t"].has_saved_index()
+    code, _ = run(["index", str(archive), "t"], monkeypatch=monkeypatch)
+    assert code == 0 and "built and stored" in capsys.readouterr().err
+    with fkvstore.open(archive) as ar:
+        assert ar["t"].has_saved_index()
+        assert ar["t"].search("l").tolist() == [3, 4, 11]
+    code, _ = run(["index", str(archive), "kv", "--column", "3"], monkeypatch=monkeypatch)
+    assert code == 2 and "has width 3" in capsys.readouterr().err

@@ -61,7 +61,11 @@ class Model:
     def check(self) -> None:
         s = self.stream
         assert len(s) == len(self.rows)
-        assert s[:].tolist() == self.rows
+        # a width-1 stream reads like a 1-D array; read() gives (n, width) rows for any width
+        flat = self.rows if self.width > 1 else [r[0] for r in self.rows]
+        assert s[:].tolist() == flat and np.asarray(s).tolist() == flat
+        assert s.shape == np.asarray(s).shape == s[:].shape and s.dtype == s[:].dtype
+        assert s.read().tolist() == self.rows
         assert s.read().shape == (len(self.rows), self.width)
 
 
@@ -88,13 +92,18 @@ class TestStreamContract:
             want = rows[i]
             assert (got == want[0]) if m.width == 1 else (got.tolist() == want)
             assert s[np.int64(i)] is not None
+        # a width-1 stream reads like a 1-D array (numpy's shapes), a wider one like 2-D
+        flat = rows if m.width > 1 else [r[0] for r in rows]
         for sl in [slice(None), slice(3, 40), slice(290, 320), slice(-30, None),
                    slice(None, None, 7), slice(400, 10, -13), slice(10, 5), slice(n, n + 5)]:
-            assert s[sl].tolist() == rows[sl], sl
+            assert s[sl].tolist() == flat[sl], sl
+            assert s[sl].shape == np.asarray(flat, dtype=np.int64).reshape(s.shape)[sl].shape
         idx = np.array([5, -1, 300, 17, 5, -n])
-        assert s[idx].tolist() == [rows[i] for i in idx.tolist()]
-        assert s[[0, 2]].tolist() == [rows[0], rows[2]]
+        assert s[idx].tolist() == [flat[i] for i in idx.tolist()]
+        assert s[[0, 2]].tolist() == [flat[0], flat[2]]
         assert s[10:20, m.width - 1].tolist() == [r[-1] for r in rows[10:20]]
+        assert s[[3, 4], 0].tolist() == [rows[3][0], rows[4][0]]
+        assert s[7, m.width - 1] == rows[7][-1]
         for bad in [n, -n - 1]:
             with pytest.raises(PositionError):
                 s[bad]

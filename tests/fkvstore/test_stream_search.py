@@ -122,7 +122,7 @@ def test_persisted_index_describes_committed_rows_only(tmp_path):
         s.extend([1] * 100)
     with fkvstore.open(path) as ar:
         s = ar["s"]
-        model = s[:][:, 0].tolist()
+        model = s.read()[:, 0].tolist()
         assert model == [1] * 100
         for q in ([1, 1], [0], [1] * 7):
             assert s.search(q).tolist() == naive.find_all(model, q)
@@ -154,7 +154,7 @@ def test_torn_persisted_index_is_ignored(tmp_path, monkeypatch, written):
         monkeypatch.undo()
     with fkvstore.open(path) as ar:
         s = ar["s"]
-        model = s[:][:, 0].tolist()
+        model = s.read()[:, 0].tolist()
         for start in (0, 3, 5000, 9990):
             q = model[start:start + 4]
             assert s.search(q).tolist() == naive.find_all(model, q)

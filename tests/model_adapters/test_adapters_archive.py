@@ -6,26 +6,16 @@ import json
 
 import numpy as np
 import pytest
-from adapters_fixtures import (  # noqa: F401
-    TINY_MODELS,
-    random_quantizer,
-    tiny_checkpoint,
-    tiny_eval_args,
-    torch,
-)
+from adapters_fixtures import TINY_MODELS, random_quantizer, tiny_eval_args, torch
 
-from model_adapters import archive_io
 from model_adapters import eval as adapters_eval
-from model_adapters.adapters import kv_shape
-from model_adapters.code_rows import CodeRows
-from model_adapters.hf_cache import ArchivingCache, cache_kwarg
+from model_adapters.caches.archiving import ArchivingCache
+from model_adapters.caches.code_rows import CodeRows
+from model_adapters.models import cache_kwarg, kv_shape, model_identity
+from model_adapters.store import archive_io
 
 h5py = pytest.importorskip("h5py")
-pytestmark = pytest.mark.skipif(
-    not archive_io.archive_available(), reason="this fkvstore has no persistent archive"
-)
-if archive_io.archive_available():
-    import fkvstore
+fkvstore = pytest.importorskip("fkvstore")
 
 
 def _archive_run(model, path, n=30, sinks=2, recent=5, block=1):
@@ -94,10 +84,17 @@ def test_archive_from_another_model_config_is_refused(tmp_path):
         for other in (TINY_MODELS["qwen3"](), TINY_MODELS["gpt2"](vocab_size=102)):
             with pytest.raises(ValueError, match="another model configuration"):
                 archive_io.read_quantizer(ar, other)
-        archive_io.check_identity(ar, TINY_MODELS["gpt2"](seed=3))  # same config, other weights
+        # same config, other weights: refused naming both identities, unless allowed
+        written, other = TINY_MODELS["gpt2"](), TINY_MODELS["gpt2"](seed=3)
+        with pytest.raises(ValueError, match="other weights") as err:
+            archive_io.check_identity(ar, other)
+        for model in (written, other):
+            assert str(model_identity(model)) in str(err.value)
+        archive_io.check_identity(ar, other, allow_different_weights=True)
+        archive_io.check_identity(ar, written)
 
 
-def test_cli_writes_real_archives(tiny_checkpoint, tmp_path):  # noqa: F811
+def test_cli_writes_real_archives(tiny_checkpoint, tmp_path):
     model_dir, book = tiny_checkpoint
     out, adir = tmp_path / "res.json", tmp_path / "archives"
     configs = ["perhead-k16-s2", "perhead-k16-s1-valuesonly"]
@@ -121,7 +118,7 @@ def test_cli_writes_real_archives(tiny_checkpoint, tmp_path):  # noqa: F811
 
 
 def test_cli_reuses_codebooks_from_an_archive_and_refuses_another_models(
-    tiny_checkpoint,  # noqa: F811
+    tiny_checkpoint,
     tmp_path,
     capsys,
 ):

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from adapters_fixtures import TINY_MODELS, random_quantizer, torch
 
-from model_adapters.adapters import config_fingerprint, kv_shape
-from model_adapters.code_rows import CodeRows
-from model_adapters.hf_cache import ArchivingCache, cache_kwarg, output_cache
+from model_adapters.caches.archiving import ArchivingCache
+from model_adapters.caches.code_rows import CodeRows
+from model_adapters.models import cache_kwarg, config_fingerprint, kv_shape, output_cache
 
 DynamicCache = pytest.importorskip("transformers").DynamicCache
 

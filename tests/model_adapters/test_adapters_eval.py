@@ -5,17 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from adapters_fixtures import (  # noqa: F401
-    TOKENIZER_DIR,
-    make_book,
-    tiny_checkpoint,
-    tiny_eval_args,
-    transformers,
-)
+from adapters_fixtures import TOKENIZER_DIR, make_book, tiny_eval_args, transformers
 
-from model_adapters import eval as adapters_eval
-from model_adapters.configs import ALL_CONFIGS, expand_configs, parse_config
-from model_adapters.text import chapter_one_offset, clean_text, split_tokens, strip_gutenberg
+from model_adapters.experiments import eval as adapters_eval
+from model_adapters.experiments.text import (
+    chapter_one_offset,
+    clean_text,
+    split_tokens,
+    strip_gutenberg,
+)
+from model_adapters.quant.configs import ALL_CONFIGS, expand_configs, parse_config
 
 needs_tokenizer = pytest.mark.skipif(
     not TOKENIZER_DIR.is_dir(), reason="GPT-2 tokenizer files not present"
@@ -102,7 +101,7 @@ def test_split_passage_and_training_span_are_disjoint():
         split_tokens(text, tok, 100_000, 10)
 
 
-def test_cli_end_to_end(tiny_checkpoint, tmp_path, capsys):  # noqa: F811
+def test_cli_end_to_end(tiny_checkpoint, tmp_path, capsys):
     model_dir, book = tiny_checkpoint
     out = tmp_path / "res.json"
     configs = ["perhead-k16-s2", "pooled-k16-s1", "perhead-k16-s2-keysonly"]
@@ -162,7 +161,7 @@ def test_cli_rejects_bad_input_before_work(tmp_path, capsys, args, message):
     assert not out.exists()
 
 
-def test_cli_reuses_saved_codebooks(tiny_checkpoint, tmp_path):  # noqa: F811
+def test_cli_reuses_saved_codebooks(tiny_checkpoint, tmp_path):
     model_dir, book = tiny_checkpoint
     common = ["--model", str(model_dir), "--text", str(book), "--tokens", "40"]
     common += ["--train-tokens", "300", "--config", "perhead-k8-K2V1", "--sinks", "1"]
@@ -193,7 +192,7 @@ def test_cli_refuses_a_model_folder_without_a_tokenizer(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_cli_refuses_a_training_span_shorter_than_a_codebook(tiny_checkpoint, tmp_path,  # noqa: F811
+def test_cli_refuses_a_training_span_shorter_than_a_codebook(tiny_checkpoint, tmp_path,
                                                               capsys):
     model_dir, _ = tiny_checkpoint
     book = tmp_path / "short.txt"
@@ -204,3 +203,28 @@ def test_cli_refuses_a_training_span_shorter_than_a_codebook(tiny_checkpoint, tm
     assert "training tokens beside the passage, below the largest codebook size 256" in \
         capsys.readouterr().err
     assert not out.exists()
+
+
+def test_documented_command_is_light():
+    """``python -m model_adapters.eval`` runs the experiments' harness, and neither it (for
+    --help) nor ``import model_adapters`` loads torch or transformers."""
+    import subprocess
+    import sys
+
+    from model_adapters import eval as shim
+
+    assert shim.main is adapters_eval.main
+    probe = (
+        "import runpy, sys\n"
+        "import model_adapters\n"
+        "sys.argv = ['x', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('model_adapters.eval', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert "python -m model_adapters.eval" in out
+    assert out.strip().endswith("[]")

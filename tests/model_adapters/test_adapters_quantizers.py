@@ -9,11 +9,11 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from model_adapters.adapters import KVShape  # noqa: E402
-from model_adapters.configs import QuantConfig  # noqa: E402
-from model_adapters.kmeans import assign, kmeans, kmeans_plus_plus  # noqa: E402
-from model_adapters.quantizer import KVQuantizer, train_kv_quantizer  # noqa: E402
-from model_adapters.rvq import code_dtype, decode, encode, train_rvq  # noqa: E402
+from model_adapters.models import KVShape  # noqa: E402
+from model_adapters.quant.configs import QuantConfig  # noqa: E402
+from model_adapters.quant.kmeans import assign, kmeans, kmeans_plus_plus  # noqa: E402
+from model_adapters.quant.quantizer import KVQuantizer, train_kv_quantizer  # noqa: E402
+from model_adapters.quant.rvq import code_dtype, decode, encode, train_rvq  # noqa: E402
 
 
 def naive_nearest(x: np.ndarray, centroids: np.ndarray) -> int:

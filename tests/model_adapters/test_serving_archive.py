@@ -5,18 +5,12 @@ from __future__ import annotations
 import pytest
 from adapters_fixtures import TINY_MODELS, torch
 from serving_fixtures import (
-    one_thread,  # noqa: F401 (autouse)
     random_quantizer,
 )
 
-from model_adapters.archive_io import archive_available
-from model_adapters.hf_cache import cache_kwarg
-from model_adapters.serving import CodesOnlyCache, use_codes_attention
-
-if not archive_available():
-    pytest.skip("this fkvstore has no persistent archive", allow_module_level=True)
-
-from model_adapters import serving_archive  # noqa: E402
+from model_adapters.caches.codes_only import CodesOnlyCache, use_codes_attention
+from model_adapters.models import cache_kwarg, model_identity
+from model_adapters.store import serving_archive
 
 WINDOW = dict(sinks=2, recent=5, rewind=3)
 IDS = torch.randint(2, 100, (1, 40), generator=torch.Generator().manual_seed(11))
@@ -227,7 +221,7 @@ def test_refusals_leave_the_archive_unchanged(tmp_path):
             sa.forward(wider, IDS[:, 20:21])
         assert sa.cache.get_seq_length() == 20 and len(sa.tokens) == 20
     # an archive from the evaluation tools (no serving checkpoint)
-    from model_adapters.archive_io import open_for_writing
+    from model_adapters.store.archive_io import open_for_writing
 
     ar, _ = open_for_writing(tmp_path / "eval.fkv", gpt2, q, sinks=2, recent=5)
     ar.create_stream("tokens", alphabet_size=101)
@@ -332,3 +326,58 @@ def test_rehydrate_after_a_read_only_continuation(tmp_path):
             dk, dv = layer.dense(torch.float32)
             assert torch.equal(keys[li], dk[0][:, positions])
             assert torch.equal(values[li], dv[0][:, positions])
+
+
+def test_another_checkpoint_is_refused_unless_allowed(tmp_path):
+    gpt2, _, path = written(tmp_path, "gpt2", 20)
+    before = state(path)
+    assert before[0]["weights_fingerprint"] == model_identity(gpt2).weights
+    other = use_codes_attention(TINY_MODELS["gpt2"](seed=2))  # same config, other weights
+    with pytest.raises(ValueError, match="other weights") as err:
+        serving_archive.resume(path, other)
+    assert str(model_identity(gpt2)) in str(err.value)
+    assert str(model_identity(other)) in str(err.value)
+    assert state(path) == before
+    with serving_archive.resume(path, gpt2) as sa:  # and as a model passed to forward
+        with pytest.raises(ValueError, match="other weights"):
+            sa.forward(other, IDS[:, 20:21])
+    with serving_archive.resume(path, other, allow_different_weights=True) as sa:
+        sa.forward(other, IDS[:, 20:21])
+        assert len(sa.tokens) == 21
+
+
+def test_archives_with_only_a_config_fingerprint_open_with_a_warning(tmp_path):
+    import fkvstore
+
+    model, _, path = written(tmp_path, "gpt2", 20)
+    with fkvstore.open(path, "r+") as ar:  # as archives were written before the weights
+        del ar.attrs["weights_fingerprint"]
+    with pytest.warns(UserWarning, match="only the model configuration was recorded"):
+        resumed = serving_archive.resume(path, model)
+    with resumed:
+        resumed.forward(model, IDS[:, 20:21])
+    # the configuration is still checked
+    with pytest.raises(ValueError, match="another model configuration"):
+        serving_archive.resume(path, use_codes_attention(TINY_MODELS["qwen3"]()))
+
+
+def test_the_model_is_fingerprinted_once_per_binding_not_per_forward(tmp_path, monkeypatch):
+    import model_adapters.models
+
+    model, q, path = written(tmp_path, "gpt2", 12)
+    calls = []
+
+    def counting(config, _real=model_adapters.models.config_fingerprint):
+        calls.append(1)
+        return _real(config)
+
+    # archives built before this check bound the name in their own module
+    monkeypatch.setattr(model_adapters.models, "config_fingerprint", counting)
+    monkeypatch.setattr(serving_archive, "config_fingerprint", counting, raising=False)
+    with serving_archive.resume(path, model) as sa:
+        bound = len(calls)
+        assert bound >= 1
+        for t in range(12, 20):
+            sa.forward(model, IDS[:, t : t + 1])
+        sa.generate(model, IDS[:, 20:21], max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert len(calls) == bound

@@ -3,28 +3,28 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from adapters_fixtures import TINY_MODELS, torch
 from hypothesis import given
 from hypothesis import strategies as st
+from interpreted import run_interpreted
 from serving_fixtures import (
     caches,
     dense_attention,
     model_pair,
-    one_thread,  # noqa: F401 (autouse)
     random_quantizer,
     step_logits,
 )
 
-from model_adapters.code_rows import CodeRows
-from model_adapters.codes_attention import CODES_ATTENTION, lookup_attention
-from model_adapters.hf_cache import ArchivingCache, cache_kwarg
-from model_adapters.rvq import decode
-from model_adapters.serving import CodesOnlyCache, dense_cache_bytes, use_codes_attention
+from kernels import CodedCache
+from model_adapters.caches.archiving import ArchivingCache
+from model_adapters.caches.code_rows import CodeRows
+from model_adapters.caches.codes_attention import CODES_ATTENTION, lookup_attention
+from model_adapters.caches.codes_only import CodesOnlyCache, dense_cache_bytes, use_codes_attention
+from model_adapters.models import cache_kwarg
+from model_adapters.quant.rvq import decode
 
 DynamicCache = pytest.importorskip("transformers").DynamicCache
 IDS = torch.randint(2, 100, (2, 48), generator=torch.Generator().manual_seed(1))
@@ -98,10 +98,10 @@ def test_bfloat16_decode_matches_the_archiving_cache(arch):
     # bf16 logits: decoding adds centroids in float32, the archiving cache stores them in bf16
     assert (got - want).abs().max() < 0.05 * want.abs().max()
     # the kernel call and the float32 look-up path agree on the same layer state
-    from kernels import rvq_decode_attention
+    from kernels import decode_attention, rvq_decode_attention
 
     layer = codes.layers[1]
-    s = layer.attention_state()
+    s = layer.coded_cache()
     query = torch.randn(2, model.config.num_attention_heads, 1, s.sink_keys.shape[-1])
     query = query.to(torch.bfloat16)
     kernel = rvq_decode_attention(
@@ -110,11 +110,11 @@ def test_bfloat16_decode_matches_the_archiving_cache(arch):
         recent_values=s.recent_values, backend="torch",
     )
     scale = s.sink_keys.shape[-1] ** -0.5
-    look = lookup_attention(
-        query.float(), s.sink_keys, s.sink_values, s.key_codes, s.value_codes,
-        s.key_codebooks, s.value_codebooks, s.recent_keys, s.recent_values, scale=scale,
-    )
+    look = lookup_attention(query.float(), s, scale=scale)
     torch.testing.assert_close(kernel.float(), look[:, :, 0], rtol=2e-2, atol=2e-2)
+    # the trusted per-step entry point reads the same CodedCache
+    trusted = decode_attention(query[:, :, 0], s, scale=scale, backend="torch")
+    torch.testing.assert_close(trusted, kernel, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -129,6 +129,7 @@ def test_cpu_decode_takes_the_lookup_path(backend, monkeypatch):
     arc, codes = caches(ref, model, q, sinks=2, recent=4)
     codes.backend = backend
     monkeypatch.setattr(kernels, "rvq_decode_attention", refuse)
+    monkeypatch.setattr(kernels, "decode_attention", refuse)
     want = step_logits(ref, arc, IDS, 12).float()
     got = step_logits(model, codes, IDS, 12).float()
     assert codes.archived_tokens == 48 - 6
@@ -138,11 +139,11 @@ def test_cpu_decode_takes_the_lookup_path(backend, monkeypatch):
 def test_kernel_routing_rule():
     from types import SimpleNamespace
 
-    from model_adapters.codes_attention import _kernel_path
+    from model_adapters.caches.codes_attention import _kernel_path
 
-    shape = (1, 4, 1, 8)  # (batch, q_heads, query tokens, head_dim)
-    cuda = SimpleNamespace(is_cuda=True, shape=shape)
-    cpu = SimpleNamespace(is_cuda=False, shape=shape)
+    shape = (1, 4, 8)  # (batch, q_heads, head_dim): one decode step
+    cuda = SimpleNamespace(is_cuda=True, shape=shape, dtype=torch.bfloat16)
+    cpu = SimpleNamespace(is_cuda=False, shape=shape, dtype=torch.bfloat16)
 
     def state(dtype, value_stages=2, value_codebook=256):
         codes = torch.zeros(1, dtype=dtype)
@@ -155,7 +156,11 @@ def test_kernel_routing_rule():
     assert not _kernel_path("torch", cuda, state(torch.int32))
     assert not _kernel_path("auto", cuda, state(torch.int32))
     assert _kernel_path("triton", cpu, state(torch.int32))  # asked for: the API explains
-    from kernels.rvq_decode import triton_available
+    # float32 decode steps never reach the kernel API, whatever the backend
+    f32 = SimpleNamespace(is_cuda=True, shape=shape, dtype=torch.float32)
+    for backend in ("auto", "triton", "torch"):
+        assert not _kernel_path(backend, f32, state(torch.int16))
+    from kernels import triton_available
 
     if triton_available():
         assert _kernel_path("auto", cuda, state(torch.int16))
@@ -299,7 +304,9 @@ def test_lookup_attention_matches_dense_oracle(
     keys = torch.cat([sk, decode(kc, kb), rk], 2)
     values = torch.cat([sv, decode(vc, vb), rv], 2)
     want = dense_attention(query, keys, values, mask, 0.3)
-    got = lookup_attention(query, sk, sv, kc, vc, kb, vb, rk, rv, mask=mask, scale=0.3)
+    cache = CodedCache(key_codes=kc, value_codes=vc, key_codebooks=kb, value_codebooks=vb,
+                       sink_keys=sk, sink_values=sv, recent_keys=rk, recent_values=rv)
+    got = lookup_attention(query, cache, mask=mask, scale=0.3)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -307,15 +314,8 @@ def test_lookup_attention_matches_dense_oracle(
                     reason="this process already interprets: the module runs directly")
 def test_triton_path_under_the_interpreter():
     pytest.importorskip("triton")
-    tests = Path(__file__).resolve().parent
-    root = tests.parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         str(tests / "test_serving_interpreted.py")],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:]
+    out = run_interpreted(Path(__file__).with_name("test_serving_interpreted.py"), timeout=600)
+    assert "1 passed" in out
 
 
 def test_collecting_rows_needs_batch_one_and_forbids_reset():

@@ -6,14 +6,13 @@ import pytest
 from adapters_fixtures import torch
 from serving_fixtures import (
     model_pair,
-    one_thread,  # noqa: F401 (autouse)
     random_quantizer,
     step_logits,
 )
 
-from model_adapters.code_rows import CodeRows
-from model_adapters.hf_cache import cache_kwarg
-from model_adapters.serving import CodesOnlyCache
+from model_adapters.caches.code_rows import CodeRows
+from model_adapters.caches.codes_only import CodesOnlyCache
+from model_adapters.models import cache_kwarg
 
 IDS = torch.randint(2, 100, (2, 44), generator=torch.Generator().manual_seed(7))
 WINDOW = dict(sinks=2, recent=5, rewind=4)

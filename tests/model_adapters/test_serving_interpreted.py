@@ -15,25 +15,34 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from adapters_fixtures import TINY_MODELS, torch  # noqa: E402
 from serving_fixtures import (  # noqa: E402
-    one_thread,  # noqa: E402, F401 (autouse)
     random_quantizer,
     step_logits,
 )
 
-from model_adapters.serving import CodesOnlyCache, use_codes_attention  # noqa: E402
+from model_adapters.caches.codes_only import CodesOnlyCache, use_codes_attention  # noqa: E402
 
 
 def test_triton_decode_matches_the_lookup_path(monkeypatch):
     import kernels
 
     calls = []
-    kernel_api = kernels.rvq_decode_attention
+    kernel_api = kernels.decode_attention
 
     def spy(*args, **kwargs):
         calls.append(kwargs["backend"])
         return kernel_api(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "rvq_decode_attention", spy)
+    monkeypatch.setattr(kernels, "decode_attention", spy)
+    import model_adapters.caches.codes_only as codes_only
+
+    validated = []
+    validate = codes_only.validate_coded_cache
+
+    def count(*args, **kwargs):
+        validated.append(1)
+        return validate(*args, **kwargs)
+
+    monkeypatch.setattr(codes_only, "validate_coded_cache", count)
     # Qwen3: grouped queries and RoPE'd keys (GPT-2's plain heads take the same kernel path)
     model = use_codes_attention(TINY_MODELS["qwen3"]().to(torch.bfloat16))
     q = random_quantizer(model)
@@ -44,5 +53,7 @@ def test_triton_decode_matches_the_lookup_path(monkeypatch):
     assert not calls
     got = step_logits(model, CodesOnlyCache(model, q, backend="triton", **window), ids, 22)
     assert calls and set(calls) == {"triton"}
+    # each layer validated its cache once, the first time it took the kernel path
+    assert len(validated) == model.config.num_hidden_layers < len(calls)
     want, got = want.float(), got.float()
     assert (got - want).abs().max() <= 0.02 * want.abs().max()

@@ -48,13 +48,21 @@ def tiny_qwen3(vocab_size: int = 101, seed: int = 0):
 TINY_MODELS = {"gpt2": tiny_gpt2, "qwen3": tiny_qwen3}
 
 
-TOKENIZER_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "gpt2-tokenizer"
+def _shared_tokenizer() -> Path:
+    """``shared/models/gpt2-tokenizer`` beside the checkout, or beside a folder holding it (a
+    git worktree one level deeper); the nearest one that exists."""
+    here = Path(__file__).resolve().parents[2]
+    candidates = [d / "shared" / "models" / "gpt2-tokenizer" for d in here.parents]
+    return next((c for c in candidates if c.is_dir()), candidates[0])
+
+
+TOKENIZER_DIR = _shared_tokenizer()
 
 
 def random_quantizer(model, key_stages=2, value_stages=1, k=16, seed=0):
     """A KVQuantizer with random Gaussian codebooks shaped for ``model``."""
-    from model_adapters.adapters import kv_shape
-    from model_adapters.quantizer import KVQuantizer
+    from model_adapters.models import kv_shape
+    from model_adapters.quant.quantizer import KVQuantizer
 
     shape = kv_shape(model)
     g = torch.Generator().manual_seed(seed)

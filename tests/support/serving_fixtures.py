@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 from adapters_fixtures import TINY_MODELS, torch
+from adapters_fixtures import random_quantizer as adapters_random_quantizer
 
-from model_adapters.adapters import kv_shape
-from model_adapters.hf_cache import ArchivingCache, cache_kwarg
-from model_adapters.quantizer import KVQuantizer
-from model_adapters.serving import CodesOnlyCache, use_codes_attention
+from model_adapters.caches.archiving import ArchivingCache
+from model_adapters.caches.codes_only import CodesOnlyCache, use_codes_attention
+from model_adapters.models import cache_kwarg
+from model_adapters.quant.quantizer import KVQuantizer
 
 
 @pytest.fixture(autouse=True)
@@ -22,15 +23,8 @@ def one_thread():
 
 
 def random_quantizer(model, key_stages=2, value_stages=2, k=16, seed=0) -> KVQuantizer:
-    shape = kv_shape(model)
-    g = torch.Generator().manual_seed(seed)
-
-    def books(stages):
-        return 0.5 * torch.randn(
-            shape.num_layers, shape.kv_heads, stages, k, shape.head_dim, generator=g
-        )
-
-    return KVQuantizer(shape, books(key_stages), books(value_stages))
+    """:func:`adapters_fixtures.random_quantizer` with both sides quantized by default."""
+    return adapters_random_quantizer(model, key_stages, value_stages, k, seed)
 
 
 def model_pair(arch: str, dtype=torch.float32):

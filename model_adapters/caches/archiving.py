@@ -1,11 +1,11 @@
-"""The archiving cache for transformers' cache API. The only module that touches transformers
-internals (``cache_utils.Cache`` / ``DynamicLayer`` and the name of the cache argument).
+"""The archiving cache for transformers' cache API (a ``cache_utils.Cache`` of ``DynamicLayer``
+subclasses; the codes-only cache in :mod:`model_adapters.caches.codes_only` is the other one).
 
 Each layer keeps every position (like ``DynamicLayer``), but only the first ``sinks`` and the last
 ``recent`` positions stay exact: after an update, every position that has left that window has
 its K and V overwritten by their residual-VQ reconstruction, and its codes go to a
-:class:`~model_adapters.code_rows.CodeRows` collector (one archive row per token). The query of
-the step that ages a position out already sees its reconstruction.
+:class:`~model_adapters.caches.code_rows.CodeRows` collector (one archive row per token). The
+query of the step that ages a position out already sees its reconstruction.
 
 With ``block > 1`` positions leave the window in groups: nothing is quantized until at least
 ``block`` positions have left it, then all of them are. The exact window then holds between
@@ -15,16 +15,15 @@ instead of once per decode step.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from model_adapters.adapters import KVShape, check_window, crop_target, kv_shape
-from model_adapters.code_rows import CodeRows
-from model_adapters.quantizer import KVQuantizer
+from model_adapters.caches.code_rows import CodeRows
+from model_adapters.caches.window import check_window, crop_target
+from model_adapters.models import KVShape, kv_shape
+from model_adapters.quant.quantizer import KVQuantizer
 
-__all__ = ["ArchivingCache", "ArchivingLayer", "cache_kwarg", "output_cache"]
+__all__ = ["ArchivingCache", "ArchivingLayer"]
 
 
 class ArchivingLayer(DynamicLayer):
@@ -88,7 +87,7 @@ class ArchivingLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         """``n < 0`` drops the last ``-n`` positions, ``n > 0`` keeps the first ``n`` (both
-        transformers conventions, :func:`~model_adapters.adapters.crop_target`), ``0`` does
+        transformers conventions, :func:`~model_adapters.caches.window.crop_target`), ``0`` does
         nothing; archived positions cannot be dropped."""
         length = self.get_seq_length()
         keep = crop_target(tokens_to_remove, length)
@@ -113,6 +112,9 @@ class ArchivingCache(Cache):
     Args:
         model_or_config: the model (or its config): GPT-2 or Qwen3.
         quantizer: codebooks for every layer; None keeps everything exact (and archives nothing).
+            Checked once against the model (:meth:`~model_adapters.quant.KVQuantizer.check_model`:
+            its architecture, and its weights when the quantizer records them and a model, not
+            a config, is given).
         sinks: leading positions kept exact forever (attention sinks).
         recent: most recent positions kept exact.
         rows: collector receiving one row of codes per archived token (None: codes dropped).
@@ -124,7 +126,8 @@ class ArchivingCache(Cache):
             which is most of the per-step cost on a CPU (see docs/adapters.md).
 
     Use as ``model(input_ids, cache=c)`` / ``model.generate(..., cache=c)`` (see
-    :func:`cache_kwarg` for the argument name this transformers version expects).
+    :func:`~model_adapters.models.cache_kwarg` for the argument name this transformers version
+    expects).
     """
 
     def __init__(
@@ -141,10 +144,7 @@ class ArchivingCache(Cache):
         shape: KVShape = kv_shape(model_or_config)
         check_window(sinks=sinks, recent=recent, block=block)
         if quantizer is not None:
-            if quantizer.shape != shape:
-                raise ValueError(
-                    f"quantizer was built for {quantizer.shape}, the model has {shape}"
-                )
+            quantizer.check_model(model_or_config)
             if quantizer.key_stages == 0 and quantizer.value_stages == 0:
                 quantizer = None
         if rows is not None and quantizer is not None and rows.num_layers != shape.num_layers:
@@ -189,18 +189,3 @@ class ArchivingCache(Cache):
             out[name] = err / var if var > 0 else None
         return out
 
-
-def cache_kwarg(model) -> str:
-    """Name of the keyword that passes a cache to ``model.forward`` / ``generate``.
-
-    transformers 5.24 takes ``cache=`` (``past_key_values=`` deprecated); earlier 5.x releases
-    take ``past_key_values=``.
-    """
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def output_cache(outputs):
-    """The cache carried by a model output, whichever attribute name this version uses."""
-    cache = getattr(outputs, "cache", None)
-    return cache if cache is not None else outputs.past_key_values

@@ -3,7 +3,7 @@
 One archive file holds everything a later process needs to continue a sequence (batch 1):
 
 - stream ``codes`` and the codebooks, model identity and window attributes written by
-  :func:`model_adapters.archive_io.open_for_writing` (one row per archived token);
+  :func:`model_adapters.store.archive_io.open_for_writing` (one row per archived token);
 - stream ``tokens``: every token id fed to the model, alphabet = the model's vocabulary;
 - arrays ``exact_head_keys`` / ``exact_head_values`` (``(layers, kv_heads, <=sinks, d)``) and
   ``exact_tail_keys`` / ``exact_tail_values`` (the recent window plus the rewind margin), in the
@@ -24,24 +24,29 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from model_adapters.adapters import config_fingerprint, kv_shape
-from model_adapters.archive_io import (
-    CODES_STREAM,
+from model_adapters.caches.code_rows import CodeRows
+from model_adapters.caches.codes_only import CodesOnlyCache
+from model_adapters.models import (
+    ModelIdentity,
+    cache_kwarg,
     check_identity,
+    kv_shape,
+    model_identity,
+)
+from model_adapters.quant.quantizer import KVQuantizer
+from model_adapters.store.archive_io import (
+    CODES_STREAM,
     open_for_writing,
     read_quantizer,
     require_fkvstore,
 )
-from model_adapters.code_rows import CodeRows
-from model_adapters.hf_cache import cache_kwarg
-from model_adapters.quantizer import KVQuantizer
-from model_adapters.serving import CodesOnlyCache
-from model_adapters.serving_streams import ChainedStream
+from model_adapters.store.serving_streams import ChainedStream
 
 __all__ = ["TOKENS_STREAM", "ServingArchive", "create", "fork", "resume"]
 
@@ -62,18 +67,28 @@ def _model_device(model):
 
 
 class ServingArchive:
-    """A :class:`~model_adapters.serving.CodesOnlyCache` (``.cache``) and the archive it writes.
+    """A :class:`~model_adapters.caches.codes_only.CodesOnlyCache` (``.cache``) and the archive
+    it writes.
 
     Build with :func:`create` or :func:`resume`; feed tokens through :meth:`forward` or
     :meth:`generate` so the token stream follows the cache. Use as a context manager;
     :meth:`close` writes a checkpoint first when the archive is writable.
+
+    ``identity`` is the bound model's (:func:`~model_adapters.models.model_identity`, computed
+    once by :func:`create` / :func:`resume` / :func:`fork`); a model passed to :meth:`forward`
+    or :meth:`generate` is checked against it the first time it is seen, not on every call.
     """
 
-    def __init__(self, ar, cache: CodesOnlyCache, model, *, tokenizer=None, views=None, parents=()):
+    def __init__(
+        self, ar, cache: CodesOnlyCache, model, *, identity: ModelIdentity, tokenizer=None,
+        views=None, parents=(), allow_different_weights: bool = False,
+    ):
         self.archive = ar
         self.cache = cache
         self.tokenizer = tokenizer
-        self.fingerprint = config_fingerprint(model)
+        self.identity = identity
+        self._allow_different_weights = allow_different_weights
+        self._checked_models = weakref.WeakSet([model])  # models already compared with identity
         self.writable = bool(getattr(ar, "writable", True))
         self.codes, self.tokens = views or (
             ChainedStream(ar[CODES_STREAM]),
@@ -105,12 +120,18 @@ class ServingArchive:
 
     # --- feeding the model --------------------------------------------------------------------
     def _check_model(self, model) -> None:
-        if config_fingerprint(model) != self.fingerprint:
+        """Refuse a model other than the bound one; each model object is hashed once."""
+        if model in self._checked_models:
+            return
+        other = model_identity(model)
+        if other.config != self.identity.config:
             raise ValueError(
                 "this model's configuration differs from the one the archive was written for "
-                f"(config fingerprint {config_fingerprint(model)[:12]}... vs "
-                f"{self.fingerprint[:12]}...)"
+                f"(config fingerprint {other.config[:12]}... vs {self.identity.config[:12]}...)"
             )
+        check_identity(self.identity, other, what=f"{self.archive!r}",
+                       allow_different_weights=self._allow_different_weights)
+        self._checked_models.add(model)
 
     def _check_feed(self, model, name: str, ids) -> None:
         """Refuse a call before it touches the cache: read-only, broken, or bad ids."""
@@ -337,15 +358,18 @@ def create(
     block: int = 1,
 ) -> ServingArchive:
     """A new archive at ``path`` and an empty codes-only cache writing to it (batch 1);
-    ``block`` as in :class:`~model_adapters.serving.CodesOnlyCache` (kept by checkpoints)."""
+    ``block`` as in :class:`~model_adapters.caches.codes_only.CodesOnlyCache` (kept by
+    checkpoints)."""
     cache = CodesOnlyCache(
         model, quantizer, sinks=sinks, recent=recent, rewind=rewind, backend=backend,
         block=block,
     )
-    ar, codes = open_for_writing(path, model, quantizer, sinks=sinks, recent=recent, mode=mode)
+    identity = model_identity(model)
+    ar, codes = open_for_writing(path, model, quantizer, sinks=sinks, recent=recent, mode=mode,
+                                 identity=identity)
     ar.create_stream(TOKENS_STREAM, alphabet_size=_vocab_size(model), width=1)
     cache.rows = CodeRows(kv_shape(model).num_layers, sink=codes.extend)
-    return ServingArchive(ar, cache, model, tokenizer=tokenizer)
+    return ServingArchive(ar, cache, model, identity=identity, tokenizer=tokenizer)
 
 
 def resume(
@@ -356,6 +380,7 @@ def resume(
     quantizer: KVQuantizer | None = None,
     backend: str = "auto",
     tokenizer=None,
+    allow_different_weights: bool = False,
 ) -> ServingArchive:
     """Reopen an archive and rebuild its cache from codes and the exact window (no prefill).
 
@@ -366,17 +391,21 @@ def resume(
         mode: ``"r+"`` to keep writing (rows past the last checkpoint are dropped), ``"r"`` to
             continue in memory only (crop and further recording are refused).
         quantizer: if given, must equal the archive's codebooks (a check, not a replacement).
+        allow_different_weights: accept a model of the archive's architecture whose weights
+            differ from those it was written with.
 
     Raises:
-        ValueError: another model configuration, other codebooks, no checkpoint, or streams
-            shorter than the checkpoint; the archive is left unchanged.
+        ValueError: another model configuration, other weights, other codebooks, no
+            checkpoint, or streams shorter than the checkpoint; the archive is left unchanged.
+            An archive that records only the configuration opens with a warning.
     """
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
     opened = []
+    bind = {"identity": model_identity(model), "allow_different_weights": allow_different_weights}
     try:
-        ar, codes_view, tokens = _open_chain(path, mode, model, opened)
-        cache = _rebuild(ar, model, quantizer, backend, codes_view, tokens)
+        ar, codes_view, tokens = _open_chain(path, mode, model, opened, bind)
+        cache = _rebuild(ar, model, quantizer, backend, codes_view, tokens, bind)
     except BaseException:
         for a in opened:
             a.close()
@@ -388,22 +417,23 @@ def resume(
         cache.rows = CodeRows(cache.shape.num_layers, sink=codes_view.extend)
         cache.rows.emitted = archived
     return ServingArchive(
-        ar, cache, model, tokenizer=tokenizer, views=(codes_view, tokens), parents=opened[1:]
+        ar, cache, model, tokenizer=tokenizer, views=(codes_view, tokens), parents=opened[1:],
+        **bind,
     )
 
 
-def _open_chain(path, mode, model, opened):
+def _open_chain(path, mode, model, opened, bind):
     """Open ``path`` and, for a fork, its parents (read-only); appends every archive opened to
-    ``opened`` (``path``'s first). Returns ``(archive, codes view, tokens view)``."""
+    ``opened`` (``path``'s first). Returns ``(archive, codes view, tokens view)``. ``bind``:
+    the model's identity and ``allow_different_weights``."""
     ar = require_fkvstore().open(path, mode)
     opened.append(ar)
     attrs = ar.attrs
     if "parent" not in attrs:
         return ar, ChainedStream(ar[CODES_STREAM]), ChainedStream(ar[TOKENS_STREAM])
     parent_path = Path(path).parent / str(attrs["parent"])
-    parent, p_codes, p_tokens = _open_chain(parent_path, "r", model, opened)
-    check_identity(parent, model)
-    mine, theirs = read_quantizer(ar, model), read_quantizer(parent, model)
+    parent, p_codes, p_tokens = _open_chain(parent_path, "r", model, opened, bind)
+    mine, theirs = read_quantizer(ar, model, **bind), read_quantizer(parent, model, **bind)
     for side in ("key_codebooks", "value_codebooks"):
         if not torch.equal(getattr(mine, side), getattr(theirs, side)):
             raise ValueError(f"{ar!r} and its parent {parent!r} hold different codebooks")
@@ -415,7 +445,8 @@ def _open_chain(path, mode, model, opened):
 
 
 def fork(
-    parent_path, path, model, *, backend: str = "auto", tokenizer=None, mode: str = "w-"
+    parent_path, path, model, *, backend: str = "auto", tokenizer=None, mode: str = "w-",
+    allow_different_weights: bool = False,
 ) -> ServingArchive:
     """A new archive at ``path`` continuing ``parent_path`` from its last checkpoint.
 
@@ -423,13 +454,16 @@ def fork(
     fork; the shared past stays in the parent (opened read-only while the fork is open), so
     any number of forks cost no copy of it. The parent must not be cropped below the fork point
     afterwards (a fork then refuses to open). Cropping the fork below the fork point is refused.
+    ``allow_different_weights`` as in :func:`resume`.
     """
-    parent = resume(parent_path, model, mode="r", backend=backend)
+    parent = resume(parent_path, model, mode="r", backend=backend,
+                    allow_different_weights=allow_different_weights)
     cache = parent.cache
     cache.archive_hooks.remove(parent)
     try:
         ar, own_codes = open_for_writing(
-            path, model, cache.quantizer, sinks=cache.sinks, recent=cache.recent, mode=mode
+            path, model, cache.quantizer, sinks=cache.sinks, recent=cache.recent, mode=mode,
+            identity=parent.identity,
         )
     except BaseException:
         parent.close()
@@ -452,18 +486,19 @@ def fork(
         tokenizer=tokenizer or parent.tokenizer,
         views=views,
         parents=[parent.archive, *parent._parents],
+        identity=parent.identity,
+        allow_different_weights=allow_different_weights,
     )
 
 
-def _rebuild(ar, model, quantizer, backend, codes_view, tokens) -> CodesOnlyCache:
-    check_identity(ar, model)
+def _rebuild(ar, model, quantizer, backend, codes_view, tokens, bind) -> CodesOnlyCache:
+    stored = read_quantizer(ar, model, **bind)
     attrs = ar.attrs
     if "serving_length" not in attrs:
         raise ValueError(
             f"{ar!r} has no serving checkpoint (it was not written by model_adapters."
-            "serving_archive, or was never checkpointed)"
+            "store.serving_archive, or was never checkpointed)"
         )
-    stored = read_quantizer(ar, model)
     if quantizer is not None:
         same = (
             quantizer.key_stages == stored.key_stages

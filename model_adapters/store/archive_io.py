@@ -1,28 +1,31 @@
-"""Everything model_adapters writes to or reads from an fkvstore archive goes through here.
-
-An archive of one run holds:
+"""The layout of one run's archive: what the archiving cache and the evaluation write, and what
+:mod:`model_adapters.store.serving_archive` builds on (it adds a token stream and checkpoints).
 
 - stream ``codes``: one row per archived token, ``width = layers x kv_heads x (K + V stages)``
   columns ordered (layer, kv_head, K then V, stage), alphabet ``codebook_size``;
 - arrays ``key_codebooks`` / ``value_codebooks`` (float32, absent on an exact side) and
   ``window_keys`` / ``window_values`` (fp16 ``(layers, kv_heads, sinks + recent, head_dim)``,
   the exact window at the end of the run);
-- attrs: model type, config fingerprint, shape, sinks, recent, pooled, stage counts.
+- attrs: model type, ``config_fingerprint`` and ``weights_fingerprint`` (the model's identity,
+  :class:`~model_adapters.models.ModelIdentity`; archives written before the weights were
+  recorded lack the second), shape, sinks, recent, pooled, stage counts.
 
-Only fkvstore's public API is used.
+The store layer (this module, ``serving_archive``, ``serving_streams``) is the only part of
+model_adapters that imports fkvstore, and it uses only fkvstore's public API.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from model_adapters.adapters import KVShape, config_fingerprint, kv_shape
-from model_adapters.quantizer import KVQuantizer
+from model_adapters.models import KVShape, ModelIdentity, kv_shape, model_identity
+from model_adapters.models import check_identity as check_model_identity
+from model_adapters.quant.quantizer import KVQuantizer
 
 __all__ = [
     "CODES_STREAM",
     "ArchiveUnavailableError",
-    "archive_available",
+    "archive_identity",
     "check_identity",
     "open_for_writing",
     "read_codes",
@@ -37,43 +40,36 @@ CODES_STREAM = "codes"
 
 
 class ArchiveUnavailableError(RuntimeError):
-    """The installed fkvstore has no persistent archive (``fkvstore.open``)."""
+    """fkvstore cannot be imported (for example, its compiled codec is missing)."""
 
 
 def require_fkvstore():
-    """The fkvstore module, or ArchiveUnavailableError when it cannot write archives."""
+    """The fkvstore module, or ArchiveUnavailableError saying why it cannot be imported."""
     try:
         import fkvstore
     except ImportError as exc:  # e.g. the codec it imports is not built
         raise ArchiveUnavailableError(f"fkvstore cannot be imported: {exc}") from exc
-    if not hasattr(fkvstore, "open"):
-        raise ArchiveUnavailableError("this fkvstore has no persistent archive (fkvstore.open)")
     return fkvstore
 
 
-def archive_available() -> bool:
-    """Whether the installed fkvstore can write archives."""
-    try:
-        require_fkvstore()
-    except ArchiveUnavailableError:
-        return False
-    return True
-
-
 def open_for_writing(
-    path, model_or_config, quantizer: KVQuantizer, *, sinks: int, recent: int, mode: str = "w"
+    path, model_or_config, quantizer: KVQuantizer, *, sinks: int, recent: int, mode: str = "w",
+    identity: ModelIdentity | None = None,
 ):
     """Create an archive for one model and quantizer; returns ``(archive, codes_stream)``.
 
-    The codebooks and the model identity are written at once, so the file is self-contained
-    from the first row on.
+    The codebooks and the model identity (``identity``, computed from ``model_or_config`` when
+    not given) are written at once, so the file is self-contained from the first row on.
     """
     fkv = require_fkvstore()
     shape = kv_shape(model_or_config)
+    identity = identity or model_identity(model_or_config)
     ar = fkv.open(path, mode)
     attrs = ar.attrs
     attrs["model_type"] = shape.model_type
-    attrs["config_fingerprint"] = config_fingerprint(model_or_config)
+    attrs["config_fingerprint"] = identity.config
+    if identity.weights is not None:
+        attrs["weights_fingerprint"] = identity.weights
     attrs["num_layers"] = shape.num_layers
     attrs["kv_heads"] = shape.kv_heads
     attrs["head_dim"] = shape.head_dim
@@ -123,29 +119,58 @@ def write_window(ar, cache) -> int:
     return k.nbytes + v.nbytes
 
 
-def check_identity(ar, model_or_config) -> KVShape:
-    """Raise ValueError unless the archive was written for this model's configuration."""
+def archive_identity(ar) -> ModelIdentity:
+    """The model identity an archive records (weights None in archives written before the
+    weights were recorded)."""
+    attrs = ar.attrs
+    weights = attrs.get("weights_fingerprint")
+    return ModelIdentity(
+        str(attrs.get("model_type")), str(attrs.get("config_fingerprint")),
+        None if weights is None else str(weights),
+    )
+
+
+def check_identity(
+    ar, model_or_config, *, identity: ModelIdentity | None = None,
+    allow_different_weights: bool = False,
+) -> KVShape:
+    """Raise ValueError unless the archive was written for this model: its configuration, and
+    its weights where both sides know them (``allow_different_weights`` skips those). An
+    archive that records only the configuration opens with a warning.
+
+    Args:
+        identity: ``model_or_config``'s identity, if already computed (it hashes the weights).
+    """
     shape = kv_shape(model_or_config)
-    want = config_fingerprint(model_or_config)
-    got = ar.attrs.get("config_fingerprint")
-    if got != want:
+    identity = identity or model_identity(model_or_config)
+    if ar.attrs.get("config_fingerprint") != identity.config:
         raise ValueError(
             f"archive was written for another model configuration (model_type "
             f"{ar.attrs.get('model_type')!r}, {ar.attrs.get('num_layers')} layers x "
             f"{ar.attrs.get('kv_heads')} kv heads x {ar.attrs.get('head_dim')}); this model is "
             f"{shape.model_type} {shape.num_layers} x {shape.kv_heads} x {shape.head_dim}"
         )
+    check_model_identity(archive_identity(ar), identity, what=f"archive {ar!r}",
+                         allow_different_weights=allow_different_weights)
     return shape
 
 
-def read_quantizer(ar, model_or_config) -> KVQuantizer:
-    """The codebooks stored in an archive, checked against the model."""
-    shape = check_identity(ar, model_or_config)
+def read_quantizer(
+    ar, model_or_config, *, identity: ModelIdentity | None = None,
+    allow_different_weights: bool = False,
+) -> KVQuantizer:
+    """The codebooks stored in an archive, checked against the model (:func:`check_identity`);
+    the quantizer records the archive's identity."""
+    shape = check_identity(ar, model_or_config, identity=identity,
+                           allow_different_weights=allow_different_weights)
     arrays = {}
     for name in ("key_codebooks", "value_codebooks"):
         if int(ar.attrs.get(name.split("_")[0] + "_stages", 0)):
             arrays[name] = ar.get_array(name)
-    return KVQuantizer.from_arrays(shape, arrays, pooled=bool(ar.attrs.get("pooled", False)))
+    q = KVQuantizer.from_arrays(shape, arrays, pooled=bool(ar.attrs.get("pooled", False)),
+                                identity=archive_identity(ar))
+    q.allow_different_weights = allow_different_weights
+    return q
 
 
 def read_codes(ar) -> np.ndarray:

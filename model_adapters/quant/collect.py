@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
-from model_adapters.adapters import kv_shape
-from model_adapters.hf_cache import ArchivingCache, cache_kwarg
+from model_adapters.models import cache_kwarg, kv_shape
 
 __all__ = ["collect_kv"]
 
@@ -34,7 +34,8 @@ def collect_kv(model, segments: list[list[int]], *, context: int = 1024, progres
     values = [[] for _ in range(shape.num_layers)]
     kw = cache_kwarg(model)
     for chunk in tqdm(chunks, desc="collect K/V", unit="chunk", disable=not progress):
-        cache = ArchivingCache(model)  # no quantizer: plain exact cache
+        # a plain exact cache: what the archiving cache holds before it quantizes anything
+        cache = DynamicCache()
         model(torch.tensor([chunk], device=device), use_cache=True, **{kw: cache})
         for i, layer in enumerate(cache.layers):
             keys[i].append(layer.keys[0].transpose(0, 1).float().cpu())

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from model_adapters.hf_cache import cache_kwarg
+from model_adapters.models import cache_kwarg
 
 __all__ = ["perplexity", "token_nlls"]
 

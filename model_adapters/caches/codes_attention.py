@@ -1,14 +1,16 @@
 """Attention over a layer whose archived positions are held only as residual-VQ codes.
 
-A codes-only cache layer (:mod:`model_adapters.serving`) cannot hand the model a dense key tensor
-for its archived positions, so its ``update`` returns the exact recent keys with the layer itself
-attached (attribute :data:`LAYER_ATTR`), and the attention function registered here under
-:data:`CODES_ATTENTION` reads the codes from that layer:
+A codes-only cache layer (:mod:`model_adapters.caches.codes_only`) cannot hand the model a dense
+key tensor for its archived positions, so its ``update`` returns the exact recent keys with the
+layer itself attached (attribute :data:`LAYER_ATTR`), and the attention function registered here
+under :data:`CODES_ATTENTION` reads that layer's :class:`kernels.CodedCache` (sinks, codes,
+codebooks, recents: the one representation of a decode step's cache the kernels share):
 
 - one query token and no masked position (plain decoding), float16/bfloat16:
-  :func:`kernels.rvq_decode_attention` when the layer's ``backend`` asks for it (``"triton"``;
-  ``"auto"`` for CUDA tensors with triton installed and shapes a kernel takes; ``"torch"``,
-  the dequantizing reference, for CUDA tensors); everything else, a CPU included,
+  :func:`kernels.decode_attention` (the trusted per-step path: the layer validated its cache
+  once) when the layer's ``backend`` asks for it (``"triton"``; ``"auto"`` where
+  :func:`kernels.kernel_takes`, the kernels' one "auto" decision, says a kernel runs the step;
+  ``"torch"``, the dequantizing reference, for CUDA tensors); everything else, a CPU included,
   :func:`lookup_attention`, which works in float32 on any device and reads a few bytes per
   archived position instead of decoding the archive (``docs/serving.md``, "Decode on a CPU");
 - one query token with masked positions (left-padded batches): :func:`lookup_attention`;
@@ -27,7 +29,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kernels._validate import CODE_DTYPE_LIMITS
+import kernels
+from kernels import CODE_DTYPE_LIMITS, CodedCache
 
 __all__ = [
     "CODES_ATTENTION",
@@ -41,23 +44,10 @@ __all__ = [
 CODES_ATTENTION = "fkv_codes"
 LAYER_ATTR = "_fkv_codes_layer"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-# codebooks over 32,768 centroids get int32 codes, which only the look-ups read
-_KERNEL_CODE_DTYPES = frozenset(CODE_DTYPE_LIMITS)
 
 
 def lookup_attention(
-    query: torch.Tensor,
-    sink_keys: torch.Tensor,
-    sink_values: torch.Tensor,
-    key_codes: torch.Tensor,
-    value_codes: torch.Tensor,
-    key_codebooks: torch.Tensor,
-    value_codebooks: torch.Tensor,
-    recent_keys: torch.Tensor,
-    recent_values: torch.Tensor,
-    *,
-    mask: torch.Tensor | None = None,
-    scale: float,
+    query: torch.Tensor, cache: CodedCache, *, mask: torch.Tensor | None = None, scale: float
 ) -> torch.Tensor:
     """Attention over sinks, coded archive and recents by codebook look-ups, in float32.
 
@@ -67,10 +57,10 @@ def lookup_attention(
 
     Args:
         query: ``(batch, q_heads, q_len, head_dim)``, any float dtype.
-        sink_keys, sink_values: ``(batch, kv_heads, sinks, head_dim)`` (sinks may be 0).
-        key_codes, value_codes: ``(batch, kv_heads, archived, stages)`` integer.
-        key_codebooks, value_codebooks: ``(kv_heads, stages, codebook_size, head_dim)``.
-        recent_keys, recent_values: ``(batch, kv_heads, recent, head_dim)``.
+        cache: sinks ``(batch, kv_heads, sinks, head_dim)`` (sinks may be 0), codes
+            ``(batch, kv_heads, archived, stages)`` of any integer dtype, codebooks
+            ``(kv_heads, stages, codebook_size, head_dim)``, recents ``(batch, kv_heads,
+            recent, head_dim)``; its lengths are ignored (``mask`` says what is attended).
         mask: broadcastable to ``(batch, 1 or q_heads, q_len, sinks + archived + recent)``,
             boolean (True attends) or additive float; None attends to everything.
         scale: softmax scale.
@@ -78,6 +68,11 @@ def lookup_attention(
     Returns:
         ``(batch, q_heads, q_len, head_dim)`` in the query's dtype.
     """
+    c = cache
+    sink_keys, sink_values, recent_keys, recent_values = (
+        c.sink_keys, c.sink_values, c.recent_keys, c.recent_values)
+    key_codes, value_codes = c.key_codes, c.value_codes
+    key_codebooks, value_codebooks = c.key_codebooks, c.value_codebooks
     batch, q_heads, q_len, dim = query.shape
     kv_heads = key_codebooks.shape[0]
     group = q_heads // kv_heads
@@ -111,24 +106,19 @@ def lookup_attention(
     return out.reshape(batch, q_heads, q_len, dim).to(query.dtype)
 
 
-def _kernel_path(backend: str, query: torch.Tensor, state) -> bool:
-    """Whether a decode step goes to :func:`kernels.rvq_decode_attention` (see the module)."""
-    if backend == "triton":  # on CPU tensors the kernel API explains what it needs
+def _kernel_path(backend: str, query: torch.Tensor, cache: CodedCache) -> bool:
+    """Whether a decode step with ``query`` ``(batch, q_heads, head_dim)`` goes to
+    :func:`kernels.decode_attention` (see the module)."""
+    if backend == "auto":  # a kernel if one takes the step, else the look-ups (never the
+        return kernels.kernel_takes(query, cache)  # dequantizing reference)
+    if query.dtype not in _KERNEL_DTYPES:
+        return False
+    if backend == "triton":  # on CPU tensors the layer's one validation explains what it needs
         return True
-    if not query.is_cuda:
-        return False
-    if not {state.key_codes.dtype, state.value_codes.dtype} <= _KERNEL_CODE_DTYPES:
-        return False
-    if backend == "auto":  # the kernel if it takes these shapes, else the look-ups (never
-        from kernels.rvq_decode import triton_available  # the dequantizing reference)
-
-        if not triton_available():
-            return False
-        from kernels._plan import supports_shape
-
-        kv_heads, stages, size = state.value_codebooks.shape[:3]
-        return supports_shape(query.shape[0], query.shape[1], kv_heads, stages, size)
-    return True
+    # "torch": the kernel API's reference, for CUDA tensors and the codes it takes (codebooks
+    # over 32,768 centroids get int32 codes, which only the look-ups read)
+    codes = {cache.key_codes.dtype, cache.value_codes.dtype}
+    return query.is_cuda and codes <= set(CODE_DTYPE_LIMITS)
 
 
 def _all_visible(mask: torch.Tensor | None) -> bool:
@@ -158,45 +148,16 @@ def codes_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    state = layer.attention_state()
+    cache = layer.coded_cache()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if query.shape[2] == 1 and state.archived:
-        kernel = _kernel_path(layer.backend, query, state) and query.dtype in _KERNEL_DTYPES
-        if kernel and _all_visible(attention_mask):
-            from kernels import rvq_decode_attention
-
-            def segment(t):
-                return t if t.shape[2] else None
-
-            sk, rk = segment(state.sink_keys), segment(state.recent_keys)
-            out = rvq_decode_attention(
-                query[:, :, 0],
-                state.key_codes,
-                state.value_codes,
-                state.key_codebooks,
-                state.value_codebooks,
-                sink_keys=sk,
-                sink_values=None if sk is None else state.sink_values,
-                recent_keys=rk,
-                recent_values=None if rk is None else state.recent_values,
-                scale=scale,
-                backend=layer.backend,
-                check_codes=False,  # the codes were produced by this cache's own encoder
-            )
+    if query.shape[2] == 1 and cache.archived:
+        step = query[:, :, 0]
+        if _kernel_path(layer.backend, step, cache) and _all_visible(attention_mask):
+            cache = layer.checked_for_kernels(step, cache)
+            backend = "triton" if layer.backend == "auto" else layer.backend  # decided above
+            out = kernels.decode_attention(step, cache, scale=scale, backend=backend)
             return out[:, None], None
-        out = lookup_attention(
-            query,
-            state.sink_keys,
-            state.sink_values,
-            state.key_codes,
-            state.value_codes,
-            state.key_codebooks,
-            state.value_codebooks,
-            state.recent_keys,
-            state.recent_values,
-            mask=attention_mask,
-            scale=scale,
-        )
+        out = lookup_attention(query, cache, mask=attention_mask, scale=scale)
         return out.transpose(1, 2).contiguous(), None
     dense_k, dense_v = layer.dense(query.dtype)
     return sdpa_attention_forward(

@@ -64,12 +64,15 @@ def rate_distortion(results: list[dict], path) -> None:
 
 
 def main(argv=None) -> int:
-    """``python -m model_adapters.plot RESULT.json [...] --out FIG.png``: one panel per run."""
+    """``python -m model_adapters.experiments.plot RESULT.json [...] --out FIG.png``: one panel
+    per run."""
     import argparse
     import json
     from pathlib import Path
 
-    p = argparse.ArgumentParser(prog="python -m model_adapters.plot", description=main.__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m model_adapters.experiments.plot", description=main.__doc__
+    )
     p.add_argument("results", nargs="+", help="JSON files written by model_adapters.eval --json")
     p.add_argument("--out", required=True, help="figure path (.png, .svg, .pdf)")
     args = p.parse_args(argv)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from model_adapters.kmeans import assign, kmeans
+from model_adapters.quant.kmeans import assign, kmeans
 
 __all__ = ["StageTables", "code_dtype", "decode", "encode", "stage_tables", "train_rvq"]
 
@@ -56,7 +56,7 @@ def train_rvq(
         num_quantizers: residual stages (>= 1).
         codebook_size: centroids per stage.
         pooled: one codebook per stage shared by all heads (trained on all heads' vectors).
-        iters, seed, init_sample: passed to :func:`model_adapters.kmeans.kmeans`; stage ``s``
+        iters, seed, init_sample: passed to :func:`model_adapters.quant.kmeans.kmeans`; stage ``s``
             uses ``seed + s``.
         max_points: train each codebook on at most this many vectors (a random subset drawn
             with ``seed``; None: all), so a pooled codebook can see as much data as a per-head one.

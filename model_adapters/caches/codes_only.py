@@ -1,11 +1,12 @@
 """A transformers cache whose archived positions live only as residual-VQ codes.
 
-Positions follow the archiving cache (:mod:`model_adapters.hf_cache`): the first ``sinks`` and
-the last ``recent`` positions are exact (up to ``recent + block - 1`` with ``block``), every
-position in between is archived. Here an archived
-position keeps only its codes, ``(batch, kv_heads, archived, stages)`` uint8/int16 per side, and
-the codebooks are held once; attention reads them through the function registered by
-:mod:`model_adapters.codes_attention`, which the model must use (:func:`use_codes_attention`).
+Positions follow the archiving cache (:mod:`model_adapters.caches.archiving`): the first
+``sinks`` and the last ``recent`` positions are exact (up to ``recent + block - 1`` with
+``block``), every position in between is archived. Here an archived position keeps only its
+codes, ``(batch, kv_heads, archived, stages)`` uint8/int16 per side, and the codebooks are held
+once; attention reads them through the function registered by
+:mod:`model_adapters.caches.codes_attention`, which the model must use
+(:func:`use_codes_attention`).
 
 Rewinding: ``crop`` can only restore positions whose exact K/V is still held. ``rewind`` extra
 exact positions are kept behind the recent window for that (speculative decoding needs a few);
@@ -17,37 +18,17 @@ archive boundary, so the continuation differs slightly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from model_adapters.adapters import KVShape, check_window, crop_target, kv_shape
-from model_adapters.codes_attention import CODES_ATTENTION, LAYER_ATTR, use_codes_attention
-from model_adapters.quantizer import KVQuantizer
-from model_adapters.rvq import decode
+from kernels import BACKENDS, CodedCache, validate_coded_cache
+from model_adapters.caches.codes_attention import CODES_ATTENTION, LAYER_ATTR, use_codes_attention
+from model_adapters.caches.window import check_window, crop_target
+from model_adapters.models import KVShape, kv_shape
+from model_adapters.quant.quantizer import KVQuantizer
+from model_adapters.quant.rvq import decode
 
-__all__ = ["AttentionState", "CodesOnlyCache", "CodesOnlyLayer", "use_codes_attention"]
-
-BACKENDS = ("auto", "triton", "torch")
-
-
-@dataclass(frozen=True)
-class AttentionState:
-    """What attention needs from one layer; every K/V tensor is ``(batch, kv_heads, n, d)``."""
-
-    sink_keys: torch.Tensor
-    sink_values: torch.Tensor
-    key_codes: torch.Tensor  # (batch, kv_heads, archived, key_stages)
-    value_codes: torch.Tensor
-    key_codebooks: torch.Tensor  # (kv_heads, stages, codebook_size, head_dim) float32
-    value_codebooks: torch.Tensor
-    recent_keys: torch.Tensor
-    recent_values: torch.Tensor
-
-    @property
-    def archived(self) -> int:
-        return self.key_codes.shape[2]
+__all__ = ["CodesOnlyCache", "CodesOnlyLayer", "use_codes_attention"]
 
 
 def _grow(buf: torch.Tensor, used: int, extra: int) -> torch.Tensor:
@@ -87,6 +68,7 @@ class CodesOnlyLayer(CacheLayerMixin):
 
     # --- transformers layer API -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states=None) -> None:
+        self._kernel_checked = False  # see checked_for_kernels
         self.device = key_states.device
         self.dtype = key_states.dtype
         b, h, _, d = key_states.shape
@@ -166,22 +148,35 @@ class CodesOnlyLayer(CacheLayerMixin):
     def archived(self) -> int:
         return self.archived_end - self.cache.sinks
 
-    def attention_state(self) -> AttentionState:
-        """The layer's segments as the attention function reads them (marks the layer read)."""
+    def coded_cache(self) -> CodedCache:
+        """The layer as the attention function reads it (marks the layer read): exact sinks,
+        the codes in use and this layer's float32 codebooks, the attended recent positions;
+        every length None (all valid)."""
         self.cache.unread_layer = None
         q = self.cache.device_quantizer(self.device)
         n = self.archived
         cut = self.archived_end - self.tail_start
-        return AttentionState(
-            self.head_k,
-            self.head_v,
-            self.key_codes[:, :, :n],
-            self.value_codes[:, :, :n],
-            q.key_codebooks[self.layer_idx],
-            q.value_codebooks[self.layer_idx],
-            self.tail_k[:, :, cut:],
-            self.tail_v[:, :, cut:],
+        return CodedCache(
+            key_codes=self.key_codes[:, :, :n],
+            value_codes=self.value_codes[:, :, :n],
+            key_codebooks=q.key_codebooks[self.layer_idx],
+            value_codebooks=q.value_codebooks[self.layer_idx],
+            sink_keys=self.head_k,
+            sink_values=self.head_v,
+            recent_keys=self.tail_k[:, :, cut:],
+            recent_values=self.tail_v[:, :, cut:],
         )
+
+    def checked_for_kernels(self, query: torch.Tensor, cache: CodedCache) -> CodedCache:
+        """``cache`` validated by :func:`kernels.validate_coded_cache` against ``query``
+        ``(batch, q_heads, head_dim)`` the first time this layer takes the kernel path
+        (codebook and code dtypes, every shape; a ValueError names what is wrong), then
+        trusted: this cache's own encoder wrote the codes and its buffers keep their shapes,
+        so a decode step runs :func:`kernels.decode_attention` without checks."""
+        if not self._kernel_checked:
+            cache = validate_coded_cache(query, cache, check_codes=False)
+            self._kernel_checked = True
+        return cache
 
     def dense(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every position's K and V, archived ones decoded: ``(batch, kv_heads, length, d)``.
@@ -307,8 +302,8 @@ class CodesOnlyCache(Cache):
         rewind: extra exact positions kept behind the recent window so that ``crop`` can step
             back that far past the archive boundary.
         block: quantize positions leaving the recent window in groups of at least this many
-            (as :class:`~model_adapters.hf_cache.ArchivingCache` does): the window then holds
-            ``recent`` to ``recent + block - 1`` exact positions, and the codebooks are read
+            (as :class:`~model_adapters.caches.archiving.ArchivingCache` does): the window then
+            holds ``recent`` to ``recent + block - 1`` exact positions, and the codebooks are read
             and the exact tail trimmed once per group instead of every step. With ``block >
             1`` the archive boundary depends on the path: a prefill archives everything past
             the window at once, and ``crop`` leaves the boundary at ``length - recent`` at
@@ -316,17 +311,17 @@ class CodesOnlyCache(Cache):
             up to ``block - 1`` fewer positions; so "crop, then continue" equals a fresh run
             only for ``block=1``.
         rows: collector receiving one row of codes per archived token
-            (:class:`~model_adapters.code_rows.CodeRows`; batch 1 only).
+            (:class:`~model_adapters.caches.code_rows.CodeRows`; batch 1 only).
         backend: the path of float16/bfloat16 decode steps: ``"triton"``, the Triton kernel of
-            :func:`kernels.rvq_decode_attention` (CUDA tensors, or Triton's CPU interpreter);
-            ``"auto"``, that kernel for CUDA tensors when triton is installed; ``"torch"``, the
-            kernel API's dequantizing reference for CUDA tensors. Every other decode step
-            takes the float32 look-up path
-            (:func:`~model_adapters.codes_attention.lookup_attention`).
+            :func:`kernels.decode_attention` (CUDA tensors, or Triton's CPU interpreter);
+            ``"auto"``, that kernel where :func:`kernels.kernel_takes` says one runs the step;
+            ``"torch"``, the kernel API's dequantizing reference for CUDA tensors. Every other
+            decode step takes the float32 look-up path
+            (:func:`~model_adapters.caches.codes_attention.lookup_attention`).
 
     Attention sees exactly what the archiving cache's does (sinks and recent exact, the
     reconstruction in between), so logits agree with
-    :class:`~model_adapters.hf_cache.ArchivingCache` up to floating-point rounding.
+    :class:`~model_adapters.caches.archiving.ArchivingCache` up to floating-point rounding.
     """
 
     def __init__(
@@ -345,8 +340,7 @@ class CodesOnlyCache(Cache):
         check_window(sinks=sinks, recent=recent, rewind=rewind, block=block)
         if not isinstance(quantizer, KVQuantizer):
             raise TypeError(f"quantizer must be a KVQuantizer, got {type(quantizer).__name__}")
-        if quantizer.shape != shape:
-            raise ValueError(f"quantizer was built for {quantizer.shape}, the model has {shape}")
+        quantizer.check_model(model_or_config)
         if not (quantizer.key_stages and quantizer.value_stages):
             raise ValueError(
                 f"the codes-only cache needs codebooks for keys and values, got K"
@@ -359,7 +353,7 @@ class CodesOnlyCache(Cache):
         if hasattr(model_or_config, "config") and impl != CODES_ATTENTION:
             raise ValueError(
                 f"the model's attention implementation is {impl!r}; the codes-only cache needs "
-                f"{CODES_ATTENTION!r}: call model_adapters.serving.use_codes_attention(model)"
+                f"{CODES_ATTENTION!r}: call model_adapters.use_codes_attention(model)"
             )
         if rows is not None and rows.num_layers != shape.num_layers:
             raise ValueError(
@@ -385,7 +379,7 @@ class CodesOnlyCache(Cache):
             raise RuntimeError(
                 f"layer {self.unread_layer} of the codes-only cache was updated but attention "
                 f"did not read its codes: the model's attention implementation must be "
-                f"{CODES_ATTENTION!r} (call model_adapters.serving.use_codes_attention(model))"
+                f"{CODES_ATTENTION!r} (call model_adapters.use_codes_attention(model))"
             )
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         self.unread_layer = layer_idx
