@@ -221,3 +221,28 @@ def test_missing_extras_skip_or_fail_as_asked(monkeypatch):
     with pytest.raises(pytest.fail.Exception, match="forbids skipping"):
         skip_unless_installed(("no_such_package_fkv",))
     skip_unless_installed(("fsspec",))  # present: neither
+
+
+def test_metadata_beyond_the_first_estimate_is_retried_into_the_head(tmp_path, monkeypatch):
+    from fkvstore import _repack
+
+    path = tmp_path / "attrs.h5"
+    make_archive(path)
+    with fkvstore.open(path, "a") as ar:  # 80 KB of attributes: far past the size estimate
+        for k in range(20):
+            ar.attrs[f"blob{k}"] = np.arange(500, dtype=np.int64)
+    attempts = []  # (head, spilled) of each write
+    real = _repack._write
+
+    def write(*args):
+        attempts.append(real(*args))
+        return attempts[-1]
+
+    monkeypatch.setattr(_repack, "_write", write)
+    fkvstore.copy(path, tmp_path / "pub.h5")
+    assert len(attempts) >= 2 and attempts[0][1] and not attempts[-1][1]  # spilled, then not
+    with fkvstore.open(f"file://{tmp_path / 'pub.h5'}", block_bytes=2048) as ar:
+        opened = ar._session.remote.requests
+        assert len(dict(ar.attrs)) == 21 and ar["kv"].attrs["layer"] == 3
+        ar["log"].aux_array_names()
+        assert ar._session.remote.requests == opened
