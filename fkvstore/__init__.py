@@ -7,9 +7,10 @@ stream of integer symbols into 2-D points, one stored point per span of symbols.
 
 The modules form layers (the README's "Architecture" table, which ``tests/test_layers.py``
 checks against every import): errors and input checks; the codec (``codec/``); the suffix
-index (``index/``); the HDF5 layout; the open file (``_session``: modes, lock, recovery, SWMR,
-the one commit); a stream's stored points (``_stored``), search and ``Stream``; the
-``Archive`` facade; then the demo and the ``fkv`` command.
+index (``index/``); the HDF5 layout, object storage (``_remote``: reads through a block cache,
+the upload) and the copy laid out for it (``_repack``); the open file (``_session``: modes,
+lock, recovery, SWMR, the one commit); a stream's stored points (``_stored``), search and
+``Stream``; the ``Archive`` facade; then the demo and the ``fkv`` command.
 """
 
 from __future__ import annotations

@@ -168,6 +168,7 @@ class S3Server:
     def counting(self):
         """Yields a :class:`Counts` filled with the requests made inside the block."""
         counts = Counts()
+        self._counter.wait_idle()  # requests answered before the block are not counted in it
         start = len(self._counter.log)
         try:
             yield counts
