@@ -18,13 +18,16 @@ only through its small interface:
     HDF5 flush, the commit records, another flush.
 
 Writers work in HDF5's single-writer/multiple-reader (SWMR) mode; ``docs/archive.md`` gives the
-guarantees and ``docs/format.md`` the layout.
+guarantees and ``docs/format.md`` the layout. A URL opens read-only through a block-cached fsspec
+file object (:mod:`fkvstore._remote`, ``docs/remote.md``): no lock, no recovery, no SWMR.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,7 +35,7 @@ from typing import NamedTuple
 
 import h5py
 
-from fkvstore import layout
+from fkvstore import _remote, layout
 from fkvstore._lock import WriterLock
 from fkvstore._superblock import clear_status_flags, open_cleared_view, read_superblock
 from fkvstore.errors import (
@@ -42,6 +45,8 @@ from fkvstore.errors import (
     ArchiveLockedError,
     ArchiveNotFoundError,
     ArchiveReadOnlyError,
+    FkvError,
+    RemoteModeError,
 )
 
 __all__ = ["LIBVER", "MODES", "Pending", "Session"]
@@ -71,9 +76,13 @@ class _Member(NamedTuple):
 
 
 class Session:
-    """The file of one open archive. ``mode`` as in :func:`fkvstore.open`."""
+    """The file of one open archive. ``mode`` as in :func:`fkvstore.open`; for a URL,
+    ``storage_options``, ``block_bytes`` and ``block_cache_bytes`` configure the
+    :class:`~fkvstore._remote.RemoteObject` it reads through (``remote`` is then that object)."""
 
-    def __init__(self, path: str | os.PathLike, mode: str, library_version: str):
+    def __init__(self, path: str | os.PathLike, mode: str, library_version: str, *,
+                 storage_options: dict | None = None, block_bytes: int | None = None,
+                 block_cache_bytes: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {', '.join(map(repr, MODES))}")
         self.path = os.fspath(path)
@@ -83,6 +92,16 @@ class Session:
         self._lock: WriterLock | None = None
         self._swmr = False
         self._members: dict[str, _Member] = {}
+        self.remote: _remote.RemoteObject | None = None
+        if _remote.is_url(self.path):
+            if mode != "r":
+                raise RemoteModeError(
+                    f"{self.path!r} is a URL: remote archives open read-only (mode 'r'), not "
+                    f"mode {mode!r}; write a local archive and publish it (Archive.publish or "
+                    "fkvstore.copy)"
+                )
+            self._open_remote(storage_options, block_bytes, block_cache_bytes)
+            return
         if mode == "a":
             mode = "r+" if os.path.exists(self.path) else "w"
         if mode == "r":
@@ -182,16 +201,54 @@ class Session:
         members, self._members = self._members, {}
         for member in members.values():
             member.detach()
-        if self._file is not None:
-            try:
-                self._file.close()
-            finally:
-                self._file = None
+        try:
+            if self._file is not None:
+                try:
+                    self._file.close()
+                finally:
+                    self._file = None
+        finally:
+            if self.remote is not None:  # after the HDF5 file, which reads through it
+                self.remote.close()
+                _OPEN_REMOTE.discard(self)
         if self._lock is not None:
             self._lock.release()
             self._lock = None
 
     # -- opening ------------------------------------------------------------------------------
+    def _open_remote(self, storage_options, block_bytes, block_cache_bytes) -> None:
+        """Open the object at the URL ``self.path`` as a reader: a block-cached file object, the
+        format check, then the head of a published archive (all its metadata) in one request."""
+        self.remote = _remote.RemoteObject(
+            self.path, storage_options,
+            block_bytes=block_bytes or _remote.DEFAULT_BLOCK_BYTES,
+            cache_bytes=(_remote.DEFAULT_BLOCK_CACHE_BYTES if block_cache_bytes is None
+                         else block_cache_bytes))
+        _OPEN_REMOTE.add(self)
+        try:
+            # the superblock and root group of any HDF5 file: one request, not HDF5's several
+            self.remote.prefetch(_remote.OPEN_BYTES)
+            try:
+                self._file = h5py.File(self.remote, "r")
+            except FkvError:  # the storage failed (named by _remote), not the format
+                raise
+            except (OSError, RuntimeError) as exc:
+                raise ArchiveFormatError(
+                    f"{self.path!r} is not a readable HDF5 archive ({exc}); the object may be "
+                    "truncated or damaged"
+                ) from exc
+            try:
+                layout.check_format(self._file, self.path)
+                head = int(self._file.attrs.get(layout.REMOTE_HEAD_ATTR, 0))
+            except FkvError:
+                raise
+            except (KeyError, OSError, RuntimeError, TypeError) as exc:
+                raise ArchiveFormatError(f"{self.path!r} is damaged: {exc}") from exc
+            self.remote.prefetch(min(head, self.remote.size))
+        except BaseException:
+            self.close()
+            raise
+
     def _open_writer_existing(self) -> None:
         if not os.path.exists(self.path):
             raise ArchiveNotFoundError(
@@ -233,6 +290,17 @@ class Session:
         self._file.flush()
         self._file.swmr_mode = True
         self._swmr = True
+
+
+# An h5py file reading through a Python file object must be closed before the interpreter tears
+# down (h5py 3.16 crashes at exit otherwise): remote sessions still open at exit are closed.
+_OPEN_REMOTE: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_remote_sessions() -> None:
+    for session in list(_OPEN_REMOTE):
+        session.close()
 
 
 def _h5_open(path: str, h5mode: str, **kw) -> h5py.File:

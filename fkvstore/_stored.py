@@ -89,6 +89,8 @@ class StoredPoints:
         rows = min(B, self.commit.full_spans - b * B)
         try:
             blk = layout.read_block(self.points, b, B, rows)
+        except FkvError:  # a named failure of the storage (a remote archive): not damage
+            raise
         except (OSError, ValueError) as exc:
             self._raise_if_stale()
             raise ChecksumError(
@@ -127,6 +129,8 @@ class StoredPoints:
             c = self.commit
             try:
                 t = layout.read_tail(self._tail_ds, c.tail_slot)
+            except FkvError:
+                raise
             except (OSError, ValueError) as exc:
                 self._raise_if_stale()
                 raise ChecksumError(f"stream {self.name!r}: tail unreadable ({exc})") from exc
@@ -310,6 +314,8 @@ def read_commit_checked(points: h5py.Dataset, span: int, after_read=None) -> Com
     """The commit record of ``points``, checked for consistency (ArchiveFormatError)."""
     try:
         c = layout.read_commit(points)
+    except FkvError:
+        raise
     except (OSError, KeyError) as exc:
         raise ArchiveFormatError(f"{points.name}: commit record unreadable ({exc})") from exc
     if after_read is not None:

@@ -10,24 +10,35 @@ Writers work in HDF5's single-writer/multiple-reader (SWMR) mode, so readers in 
 can follow a growing archive and a killed writer leaves a readable file; see ``docs/archive.md``
 for the guarantees and ``docs/format.md`` for the layout. The file itself (modes, lock, recovery,
 SWMR, the commit) is :class:`~fkvstore._session.Session`'s.
+
+A URL (``s3://bucket/run.h5``, any fsspec URL) opens read-only through a block cache;
+:func:`copy` and :meth:`Archive.publish` put a verified copy, laid out for remote reads, in
+object storage (``docs/remote.md``).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 
 import numpy as np
 
-from fkvstore import _validate, layout
+from fkvstore import _remote, _repack, _validate, layout
 from fkvstore._attrs import Attrs
 from fkvstore._session import MODES, Session
 from fkvstore._version import __version__
 from fkvstore.codec import Codec
-from fkvstore.errors import ArchiveFormatError, FkvError, StreamNotFoundError
+from fkvstore.errors import (
+    ArchiveExistsError,
+    ArchiveFormatError,
+    ChecksumError,
+    FkvError,
+    StreamNotFoundError,
+)
 from fkvstore.stream import Stream, TextStream
 
-__all__ = ["Archive", "Stream", "TextStream", "open"]
+__all__ = ["Archive", "Stream", "TextStream", "copy", "open"]
 
 DEFAULT_CACHE_BYTES = 64 << 20
 DEFAULT_SPILL_SYMBOLS = 1 << 22
@@ -41,8 +52,12 @@ def open(  # noqa: A001 - mirrors h5py.File / builtins.open on purpose
     *,
     cache_bytes: int = DEFAULT_CACHE_BYTES,
     spill_symbols: int = DEFAULT_SPILL_SYMBOLS,
+    storage_options: dict | None = None,
+    block_bytes: int = _remote.DEFAULT_BLOCK_BYTES,
+    block_cache_bytes: int = _remote.DEFAULT_BLOCK_CACHE_BYTES,
 ) -> Archive:
-    """Open the archive at ``path``.
+    """Open the archive at ``path``: a local file, or a URL (``s3://bucket/run.h5``, any fsspec
+    URL), which opens read-only.
 
     Modes as in h5py: ``"r"`` read only (the file must exist), ``"r+"`` read/write (must exist),
     ``"a"`` read/write, created if missing, ``"w"`` create, replacing an existing file,
@@ -50,8 +65,30 @@ def open(  # noqa: A001 - mirrors h5py.File / builtins.open on purpose
     (:class:`~fkvstore.errors.ArchiveLockedError` otherwise); any number of ``"r"`` readers may
     follow it. ``cache_bytes`` bounds the decoded-chunk cache of each stream; ``spill_symbols`` is
     the number of buffered symbols per stream after which appends are committed automatically.
+
+    For a URL (mode ``"r"`` only, :class:`~fkvstore.errors.RemoteModeError` otherwise):
+    ``storage_options`` go to fsspec (credentials, ``endpoint_url``, ...); reads are fetched in
+    aligned blocks of ``block_bytes`` and cached up to ``block_cache_bytes`` (0: no cache, each
+    read is one request). All three are ignored for a local path.
     """
-    return Archive(path, mode, cache_bytes=cache_bytes, spill_symbols=spill_symbols)
+    return Archive(path, mode, cache_bytes=cache_bytes, spill_symbols=spill_symbols,
+                   storage_options=storage_options, block_bytes=block_bytes,
+                   block_cache_bytes=block_cache_bytes)
+
+
+def copy(src: str | os.PathLike, dst: str | os.PathLike, *, storage_options: dict | None = None,
+         overwrite: bool = False) -> None:
+    """Copy the archive at ``src`` to ``dst`` (each a local path or a URL), repacked for remote
+    reads (docs/remote.md) and verified before it is put in place; a reader never sees a
+    partial ``dst``. Uploading a local archive is ``copy("run.h5", "s3://bucket/run.h5")``.
+
+    ``src`` is read as a reader (its committed rows). ``storage_options`` apply to whichever of
+    the two is a URL. ``dst`` must not exist unless ``overwrite``
+    (:class:`~fkvstore.errors.ArchiveExistsError`); a copy that fails its verification
+    (:class:`~fkvstore.errors.ChecksumError`) is not put in place.
+    """
+    with open(src, "r", storage_options=storage_options) as ar:
+        ar.publish(dst, storage_options=storage_options, overwrite=overwrite)
 
 
 class Archive:
@@ -68,6 +105,9 @@ class Archive:
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         spill_symbols: int = DEFAULT_SPILL_SYMBOLS,
+        storage_options: dict | None = None,
+        block_bytes: int = _remote.DEFAULT_BLOCK_BYTES,
+        block_cache_bytes: int = _remote.DEFAULT_BLOCK_CACHE_BYTES,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {', '.join(map(repr, MODES))}")
@@ -77,7 +117,10 @@ class Archive:
         self.mode = mode
         self.writable = mode != "r"
         self._streams: dict[str, Stream] = {}
-        self._session = Session(self.path, mode, __version__)
+        block_bytes = _validate.positive_int(block_bytes, "block_bytes")
+        block_cache_bytes = _validate.integer(block_cache_bytes, "block_cache_bytes", low=0)
+        self._session = Session(self.path, mode, __version__, storage_options=storage_options,
+                                block_bytes=block_bytes, block_cache_bytes=block_cache_bytes)
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -174,6 +217,8 @@ class Archive:
             return s
         try:
             found = isinstance(name, str) and name in f[layout.STREAMS]
+        except FkvError:
+            raise
         except (OSError, RuntimeError, KeyError) as exc:
             raise ArchiveFormatError(f"{self.path!r} is damaged: {exc}") from exc
         if not found:
@@ -191,6 +236,8 @@ class Archive:
             cls = TextStream if info.kind == "text" else Stream
             s = cls(self._session, name, layout.stream_path(name), info,
                     cache_bytes=self.cache_bytes, spill_symbols=self.spill_symbols)
+        except FkvError:
+            raise
         except (OSError, RuntimeError, KeyError) as exc:
             raise ArchiveFormatError(
                 f"stream {name!r} of {self.path!r} cannot be read ({exc}); the file is damaged"
@@ -282,6 +329,53 @@ class Archive:
             except FkvError as exc:
                 report[f"arrays/{name}"] = [str(exc)]
         return report
+
+    def publish(self, dst: str | os.PathLike, *, storage_options: dict | None = None,
+                overwrite: bool = False) -> None:
+        """Put a copy of this archive at ``dst`` (a URL, or a local path), as :func:`copy` does:
+        buffered rows are committed first (a writer), the copy is repacked for remote reads,
+        verified (:meth:`verify` on the copy: ChecksumError names the problems, nothing is
+        written) and then uploaded whole, or moved into place for a local ``dst``."""
+        self._session.check_open()
+        dst_is_url = _remote.is_url(dst)
+        if not dst_is_url and not self._session.remote and (
+                os.path.abspath(dst) == os.path.abspath(self.path)):
+            raise ValueError(f"cannot publish {self.path!r} onto itself; choose another path")
+        if not overwrite and (_remote.remote_exists(dst, storage_options) if dst_is_url
+                              else os.path.exists(dst)):
+            raise ArchiveExistsError(f"{os.fspath(dst)!r} already exists; pass overwrite=True "
+                                     "to replace it")
+        if self.writable:
+            self._session.flush()
+        where = None if dst_is_url else os.path.dirname(os.path.abspath(dst))
+        fd, tmp = tempfile.mkstemp(suffix=".h5", prefix=".fkv-publish-", dir=where)
+        os.close(fd)
+        try:
+            _repack.repack(self._session.h5, tmp)
+            self._check_copy(tmp)
+            if dst_is_url:
+                _remote.upload(tmp, dst, storage_options, overwrite=overwrite)
+            else:
+                os.replace(tmp, dst)  # same directory: an atomic rename
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def _check_copy(self, path: str) -> None:
+        """The copy at ``path`` holds every stream (its committed length) and array, intact."""
+        with open(path) as copy_:
+            problems = {k: v for k, v in copy_.verify().items() if v}
+            missing = sorted(set(self) ^ set(copy_)) + sorted(
+                set(self.array_names()) ^ set(copy_.array_names()))
+            lengths = {n: (copy_[n].committed_length, self[n].committed_length)
+                       for n in set(self) & set(copy_)}
+        short = {n: pair for n, pair in lengths.items() if pair[0] != pair[1]}
+        if problems or short or missing:
+            raise ChecksumError(
+                f"the copy of {self.path!r} is not intact, nothing was published: problems "
+                f"{problems or 'none'}; length (copy, source) {short or 'all equal'}; names in "
+                f"one only {missing or 'none'}"
+            )
 
     def refresh(self) -> None:
         """Reader side: see what the writer has committed since this archive was opened."""

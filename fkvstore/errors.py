@@ -19,6 +19,10 @@ __all__ = [
     "PositionError",
     "ArchiveExistsError",
     "ArchiveReadOnlyError",
+    "RemoteArchiveError",
+    "RemoteAuthError",
+    "RemoteModeError",
+    "RemoteObjectChangedError",
 ]
 
 
@@ -67,3 +71,21 @@ class ArchiveExistsError(FkvError, FileExistsError):
 
 class ArchiveReadOnlyError(FkvError, PermissionError):
     """A change to an archive that was opened read-only (mode ``"r"``)."""
+
+
+class RemoteArchiveError(FkvError, OSError):
+    """Object storage failed while opening, reading or uploading a remote archive (a URL)."""
+
+
+class RemoteAuthError(RemoteArchiveError, PermissionError):
+    """Object storage refused the credentials, or the request (wrong keys, no permission)."""
+
+
+class RemoteObjectChangedError(RemoteArchiveError):
+    """The object behind an open remote archive was overwritten or deleted since it was opened
+    (its ETag or version no longer matches): reads that need new bytes cannot go on."""
+
+
+class RemoteModeError(FkvError, ValueError):
+    """A mode other than ``"r"`` for a URL: remote archives are read-only (publish a local
+    archive with ``Archive.publish`` or ``fkvstore.copy`` instead)."""

@@ -35,6 +35,7 @@ __all__ = [
     "COMMIT_FIELDS",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "REMOTE_HEAD_ATTR",
     "RESERVED_PREFIX",
     "STREAMS",
     "UNFINISHED_PREFIX",
@@ -66,6 +67,9 @@ POINTS = "points"
 TAIL = "tail"
 BLOCK_CRC = "block_crc"
 COMMIT_ATTR = "fkv_commit"
+# on '/' of a copy laid out for remote reads (fkvstore/_repack.py): the number of leading bytes
+# that hold all metadata and small data; a remote reader fetches them in one request
+REMOTE_HEAD_ATTR = "fkv_remote_head"
 COMMIT_FIELDS = (
     "length",  # committed rows
     "full_spans",  # complete spans stored in `points` (= length // span)
@@ -278,10 +282,12 @@ def finished_names(group: h5py.Group) -> list[str]:
 
 def get_checked_array(ds: h5py.Dataset) -> np.ndarray:
     """The array stored by :func:`put_checked_array`; ChecksumError when its bytes changed."""
-    from fkvstore.errors import ChecksumError
+    from fkvstore.errors import ChecksumError, FkvError
 
     try:
         arr = ds[()]
+    except FkvError:  # a named failure of the storage (a remote archive): not damage
+        raise
     except OSError as exc:  # HDF5 reports damaged metadata or data this way
         raise ChecksumError(f"array {ds.name!r} cannot be read: {exc}") from exc
     arr = np.asarray(arr)

@@ -19,7 +19,7 @@ import uuid
 import numpy as np
 
 from fkvstore._validate import integer
-from fkvstore.errors import ArchiveFormatError, ChecksumError
+from fkvstore.errors import ArchiveFormatError, ChecksumError, RemoteArchiveError
 from fkvstore.index import TREE_FORMAT, SuffixIndex
 
 __all__ = ["SearchMixin"]
@@ -153,6 +153,8 @@ class SearchMixin:
                 elif this != tag:  # arrays of different builds: a torn write
                     return None
                 state[name] = array
+        except RemoteArchiveError:  # the storage failed: not damage, say so
+            raise
         except (ChecksumError, ArchiveFormatError, OSError):  # damaged: derived data, rebuild
             return None
         if state["walk"].shape != (tag["length"], 2):
