@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch first, so the `models` extra does not pull a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[models,gpu,dev]'
+	$(PY) -m pip install -q -e '.[models,gpu,dask,dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from fkvstore.archive import Archive, Stream, TextStream, open
 from fkvstore.codec import Codec
+from fkvstore.collection import Collection, Hit  # imports dask only when a cluster is used
 from fkvstore.errors import FkvError
 
 __version__ = "0.1.0"
 
-__all__ = ["Archive", "Codec", "FkvError", "Stream", "TextStream", "__version__", "open"]
+__all__ = ["Archive", "Codec", "Collection", "FkvError", "Hit", "Stream", "TextStream",
+           "__version__", "open"]
