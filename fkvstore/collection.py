@@ -92,7 +92,7 @@ class _Shard:
             for i, path, name, s in streams:
                 try:
                     positions = s.search(q, column)
-                except (FkvError, ValueError, IndexError) as exc:
+                except (FkvError, ValueError, TypeError, IndexError) as exc:
                     raise _naming(exc, path, name) from exc
                 if len(positions):
                     hits.append((i, name, positions))
@@ -110,7 +110,7 @@ class _Shard:
             for _, _, name, s in self._streams(((i, path),), stream):
                 try:
                     nbytes += s.build_index(column).nbytes()
-                except (FkvError, ValueError, IndexError) as exc:
+                except (FkvError, ValueError, TypeError, IndexError) as exc:
                     raise _naming(exc, path, name) from exc
             per_archive.append({"archive": i, "seconds": time.perf_counter() - t,
                                 "index_bytes": int(nbytes)})
@@ -123,7 +123,7 @@ class _Shard:
         s = self._archive(i, path)[stream]
         try:
             return s.context(pos, before, after, column)
-        except (FkvError, ValueError, IndexError) as exc:
+        except (FkvError, ValueError, TypeError, IndexError) as exc:
             raise _naming(exc, path, stream) from exc
 
     def refresh(self, spec):
