@@ -113,9 +113,11 @@ def measure(coll, queries: list, latency_n: int, batch: int, reference=None) -> 
         t = time.perf_counter()
         coll.search(q, STREAM)
         lat.append(time.perf_counter() - t)
+    cpu0, load0 = _cpu_seconds(coll), os.getloadavg()[0]
     t = time.perf_counter()
     results = coll.search_many(queries, STREAM, batch=batch)
     batched_s = time.perf_counter() - t
+    cpu = [b - a for a, b in zip(cpu0, _cpu_seconds(coll), strict=True)]
     # two client threads, each issuing single queries: two in flight
     singles: list = [None] * len(queries)
 
@@ -144,6 +146,10 @@ def measure(coll, queries: list, latency_n: int, batch: int, reference=None) -> 
         "latency_p90_ms": 1e3 * float(np.percentile(lat, 90)),
         "latency_queries": len(lat),
         "qps_batched": len(queries) / batched_s,
+        # CPU time the workers got during the batched run, per worker, over its wall time: below
+        # 1 when other processes take the cores
+        "worker_cpu_share": [c / batched_s for c in cpu],
+        "load_avg_1min": [load0, os.getloadavg()[0]],
         "qps_2_threads": len(queries) / threads_s,
         "hits_mean": statistics.mean(sum(len(h.positions) for h in r) for r in results),
         "archives_hit_mean": statistics.mean(len(r) for r in results),
@@ -151,6 +157,14 @@ def measure(coll, queries: list, latency_n: int, batch: int, reference=None) -> 
         and all(_same(a, b) for a, b in zip(singles, ref, strict=True)),
         "_results": results,
     }
+
+
+def _cpu_seconds(coll) -> list[float]:
+    """CPU seconds used so far by each worker process (this process when in-process)."""
+    if coll.client is None:
+        return [time.process_time()]
+    done = coll.client.run(time.process_time)
+    return [done[w] for w in sorted(done)]
 
 
 def extrapolate(per_archive: dict, machines: int, cores: int, archives_total: int,
@@ -205,6 +219,7 @@ def main() -> None:
                          **measure(coll, queries, args.latency, args.batch, seq["_results"])})
     for r in rows:
         r.pop("_results")
+        r["cpu_share"] = " / ".join(f"{c:.2f}" for c in r["worker_cpu_share"])
         r["index_mb_per_worker"] = max(r["index_bytes_per_worker"]) / 1e6
         r["rss_growth_mb_per_worker"] = max(
             (b - a) / 1e6 for a, b in zip(r["rss_before_per_worker"], r["rss_after_per_worker"],
@@ -213,7 +228,8 @@ def main() -> None:
         ("mode", "mode"), ("warm_s", "warm-up s"), ("index_mb_per_worker", "index MB/worker"),
         ("rss_growth_mb_per_worker", "RSS growth MB/worker"),
         ("latency_p50_ms", "p50 ms"), ("latency_p90_ms", "p90 ms"),
-        ("qps_batched", "q/s batched"), ("qps_2_threads", "q/s 2 threads"),
+        ("qps_batched", "q/s batched"), ("cpu_share", "worker CPU share"),
+        ("qps_2_threads", "q/s 2 threads"),
         ("equal_to_in_process", "= in-process")]))
     by = {r["mode"]: r for r in rows}
     speedup = {k: by["dask 2 workers"][k] / by["dask 1 worker"][k]
