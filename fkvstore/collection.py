@@ -291,11 +291,15 @@ class Collection:
 
         from distributed import Client, LocalCluster
 
-        self._cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                     dashboard_address=None, silence_logs=logging.CRITICAL)
-        self._owns_client = True
-        client = Client(self._cluster)
-        client.wait_for_workers(workers)
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                               dashboard_address=None, silence_logs=logging.CRITICAL)
+        try:
+            client = Client(cluster)
+            client.wait_for_workers(workers)
+        except BaseException:
+            cluster.close()
+            raise
+        self._cluster, self._owns_client = cluster, True
         return client
 
     # -------------------------------------------------------------------------------- public
