@@ -17,7 +17,7 @@ $(CORE): pyproject.toml
 # every extra, for the tests: the CPU build of torch first, so `models` does not pull a CUDA build
 $(FULL): $(CORE)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[models,gpu,dev,remote,test]'
+	$(PY) -m pip install -q -e '.[models,gpu,dask,dev,remote,test]'
 	touch $(FULL)
 
 venv: $(FULL)
