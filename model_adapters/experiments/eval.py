@@ -45,12 +45,15 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 
 def build_parser() -> argparse.ArgumentParser:
+    missing = missing_models_extra()
+    needs = (f"\n\nThis environment lacks the 'models' extra ({', '.join(missing)} missing): "
+             f"{INSTALL_HINT}." if missing else "")
     p = argparse.ArgumentParser(
         prog="python -m model_adapters.eval",
         description=__doc__,
         epilog="Configs: exact | {pooled|perhead}-k{K}-s{S}[-keysonly|-valuesonly] | "
         "{pooled|perhead}-k{K}-K{a}V{b} | hybrid-k256-K4V2 (= perhead-k256-K4V2) | all "
-        f"({', '.join(ALL_CONFIGS)}).",
+        f"({', '.join(ALL_CONFIGS)}).{needs}",
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--model", required=True, help="local checkpoint directory with its tokenizer")

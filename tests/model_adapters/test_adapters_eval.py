@@ -262,6 +262,7 @@ def test_without_the_models_extra_the_errors_name_it():
     done = run_without_models_extra(
         "from model_adapters.eval import build_parser\nbuild_parser().parse_args(['--help'])")
     assert done.returncode == 0 and "--model" in done.stdout, done.stderr
+    assert "lacks the 'models' extra (torch, transformers missing)" in done.stdout
     done = run_without_models_extra(
         "import model_adapters\n"
         "try:\n    model_adapters.KVQuantizer\n"
