@@ -31,6 +31,7 @@ test: $(FULL)
 
 lint: $(FULL)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy fkvstore
 
 bench: $(FULL)
 	$(PY) bench/codec.py

@@ -19,7 +19,7 @@ from fkvstore.errors import ArchiveLockedError
 try:  # POSIX
     import fcntl
 except ImportError:  # pragma: no cover - Windows: no cross-process writer check
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # the module or None, tested before each use
 
 __all__ = ["WriterLock"]
 

@@ -12,8 +12,8 @@ def progress_bar(total: int, desc: str, enabled: bool = True, unit: str = "chunk
     try:
         from tqdm import tqdm
     except ImportError:
-        tqdm = None
-    if tqdm is None or not enabled:
+        return _NoBar()
+    if not enabled:
         return _NoBar()
     return tqdm(
         total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False, file=sys.stderr

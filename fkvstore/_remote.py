@@ -19,6 +19,7 @@ import os
 import re
 import uuid
 from collections import OrderedDict
+from typing import TypeGuard
 
 from fkvstore.errors import (
     ArchiveExistsError,
@@ -48,7 +49,7 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*(://|::)")
 _ATOMIC_PUT = {"s3", "s3a", "gs", "gcs", "abfs", "az", "memory"}
 
 
-def is_url(path) -> bool:
+def is_url(path: object) -> TypeGuard[str]:
     """Whether ``path`` names an object through fsspec (``proto://...`` or a ``::`` chain)
     rather than a local file."""
     return isinstance(path, str) and _URL.match(path) is not None
@@ -155,8 +156,9 @@ class RemoteObject(io.RawIOBase):
         else:
             S = self.block_bytes
             first, last = start // S, (end - 1) // S
-            blocks = {k: self._cached(k) for k in range(first, last + 1)}
-            missing = [k for k, v in blocks.items() if v is None]
+            cached = {k: self._cached(k) for k in range(first, last + 1)}
+            blocks = {k: v for k, v in cached.items() if v is not None}
+            missing = [k for k, v in cached.items() if v is None]
             if missing:
                 blocks.update(self._load(missing[0], missing[-1]))
             for k in range(first, last + 1):

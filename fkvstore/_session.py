@@ -28,7 +28,7 @@ import atexit
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -153,7 +153,7 @@ class Session:
             member.detach()
 
     @contextmanager
-    def structural(self):
+    def structural(self) -> Iterator[None]:
         """Run a change of the file's structure (new objects, attributes) outside SWMR mode.
 
         HDF5 keeps the file consistent for readers and against a killed writer only for appends
@@ -162,7 +162,7 @@ class Session:
         """
         self.check_writable()
         if self._swmr:
-            self._file.close()
+            self.h5.close()
             self._file = _h5_open(self.path, "r+")
             self._swmr = False
             for group_path, member in self._members.items():
@@ -287,8 +287,9 @@ class Session:
             raise
 
     def _enter_swmr(self) -> None:
-        self._file.flush()
-        self._file.swmr_mode = True
+        f = self.h5
+        f.flush()
+        f.swmr_mode = True
         self._swmr = True
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import NamedTuple
 
 import h5py
 import numpy as np
@@ -17,7 +18,7 @@ import numpy as np
 from fkvstore import layout
 from fkvstore._session import Pending
 from fkvstore.codec import Codec
-from fkvstore.errors import ArchiveFormatError, ChecksumError, FkvError
+from fkvstore.errors import ArchiveClosedError, ArchiveFormatError, ChecksumError, FkvError
 from fkvstore.layout import Commit
 
 __all__ = ["StaleView", "StoredPoints", "read_commit_checked"]
@@ -25,6 +26,14 @@ __all__ = ["StaleView", "StoredPoints", "read_commit_checked"]
 
 class StaleView(Exception):
     """A reader's commit record was outdated and has been refreshed; the caller retries."""
+
+
+class _Datasets(NamedTuple):
+    """The datasets of a stream group (``docs/format.md``)."""
+
+    points: h5py.Dataset  # (spans, width, 2) float64; its attribute holds the commit record
+    tail: h5py.Dataset  # the two tail slots, (2, width, 2) float64
+    crc: h5py.Dataset  # one CRC-32 per complete chunk
 
 
 class StoredPoints:
@@ -49,29 +58,36 @@ class StoredPoints:
         self._tail: np.ndarray | None = None
         self._crcs: list[int] = []
         self.commit = Commit()
-        self.points: h5py.Dataset | None = None
-        self._tail_ds: h5py.Dataset | None = None
-        self._crc_ds: h5py.Dataset | None = None
+        self._bound: _Datasets | None = None
 
     # -- binding to the file ---------------------------------------------------------------------
     def bind(self, group: h5py.Group) -> None:
-        self.points = group[layout.POINTS]
-        self._tail_ds = group[layout.TAIL]
-        self._crc_ds = group[layout.BLOCK_CRC]
+        self._bound = _Datasets(group[layout.POINTS], group[layout.TAIL], group[layout.BLOCK_CRC])
 
     def detach(self) -> None:
-        self.points = self._tail_ds = self._crc_ds = None
+        self._bound = None
+
+    @property
+    def _ds(self) -> _Datasets:
+        """The bound datasets; ArchiveClosedError once detached (archive closed, stream deleted)."""
+        if self._bound is None:
+            raise ArchiveClosedError(
+                f"stream {self.name!r} belongs to a closed archive (or was deleted); open the "
+                "archive again"
+            )
+        return self._bound
 
     def load(self) -> None:
         """Read the commit record and the block checksums it covers."""
-        c = read_commit_checked(self.points, self.codec.span)
+        ds = self._ds
+        c = read_commit_checked(ds.points, self.codec.span)
         nblocks = c.full_spans // self.block_spans
-        if self._crc_ds.shape[0] < nblocks:
+        if ds.crc.shape[0] < nblocks:
             raise ArchiveFormatError(
                 f"stream {self.name!r}: {nblocks} block checksums expected, "
-                f"{self._crc_ds.shape[0]} stored; the file is damaged"
+                f"{ds.crc.shape[0]} stored; the file is damaged"
             )
-        self._crcs = [int(v) for v in self._crc_ds[:nblocks]] if nblocks else []
+        self._crcs = [int(v) for v in ds.crc[:nblocks]] if nblocks else []
         self.commit = c
 
     # -- reading ----------------------------------------------------------------------------------
@@ -88,7 +104,7 @@ class StoredPoints:
         B = self.block_spans
         rows = min(B, self.commit.full_spans - b * B)
         try:
-            blk = layout.read_block(self.points, b, B, rows)
+            blk = layout.read_block(self._ds.points, b, B, rows)
         except FkvError:  # a named failure of the storage (a remote archive): not damage
             raise
         except (OSError, ValueError) as exc:
@@ -128,7 +144,7 @@ class StoredPoints:
         if self._tail is None:
             c = self.commit
             try:
-                t = layout.read_tail(self._tail_ds, c.tail_slot)
+                t = layout.read_tail(self._ds.tail, c.tail_slot)
             except FkvError:
                 raise
             except (OSError, ValueError) as exc:
@@ -181,11 +197,12 @@ class StoredPoints:
 
     def refresh(self) -> None:
         """Reader side: take up the writer's latest commit record (HDF5 SWMR)."""
-        self.points.refresh()
+        ds = self._ds
+        ds.points.refresh()
         old = self.commit
         # the datasets are refreshed again after the commit record is read, so that they
         # include everything the writer wrote before that commit (it may land in between)
-        c = read_commit_checked(self.points, self.codec.span, self._refresh_datasets)
+        c = read_commit_checked(ds.points, self.codec.span, self._refresh_datasets)
         if c.generation == old.generation:
             return
         B = self.block_spans
@@ -197,22 +214,22 @@ class StoredPoints:
             self._blocks.pop(old.full_spans // B, None)
         have, need = len(self._crcs), c.full_spans // B
         if need > have:
-            if self._crc_ds.shape[0] < need:
+            if ds.crc.shape[0] < need:
                 raise ArchiveFormatError(f"stream {self.name!r}: block checksums missing")
-            self._crcs.extend(int(v) for v in self._crc_ds[have:need])
+            self._crcs.extend(int(v) for v in ds.crc[have:need])
         del self._crcs[need:]
         self._tail = None
         self.commit = c
 
     def _refresh_datasets(self) -> None:
-        for ds in (self.points, self._tail_ds, self._crc_ds):
-            ds.refresh()
+        for dataset in self._ds:  # points, tail, crc
+            dataset.refresh()
 
     # -- writing ----------------------------------------------------------------------------------
     def stage_append(self, rows: np.ndarray) -> Pending:
         """Write ``rows`` (n, width) as complete spans, block checksums and a new tail; return
         the commit that makes them part of the stream (not yet written)."""
-        c = self.commit
+        c, ds = self.commit, self._ds
         m, B = self.codec.span, self.block_spans
         tail = self.tail_point() if c.tail_count else None
         pts = np.asarray(self.codec.extend(tail, c.tail_count, rows), dtype=np.float64)
@@ -229,8 +246,8 @@ class StoredPoints:
         crcs: list[int] = []
         partial_crc = c.partial_crc
         if ncomplete:
-            if self.points.shape[0] < full:
-                self.points.resize(full, axis=0)
+            if ds.points.shape[0] < full:
+                ds.points.resize(full, axis=0)
             b0 = c.full_spans // B
             first = c.full_spans - b0 * B
             chunk_rows = pts[:ncomplete]
@@ -238,16 +255,16 @@ class StoredPoints:
                 chunk_rows = np.concatenate([self.block(b0)[:first], chunk_rows])
             for k in range(0, len(chunk_rows), B):
                 chunk = chunk_rows[k : k + B]
-                layout.write_block(self.points, b0 + k // B, B, chunk)
+                layout.write_block(ds.points, b0 + k // B, B, chunk)
                 blocks[b0 + k // B] = chunk
                 if len(chunk) == B:
                     crcs.append(layout.checksum(chunk))
             rest = len(chunk_rows) % B
             partial_crc = layout.checksum(chunk_rows[len(chunk_rows) - rest :]) if rest else 0
             if crcs:
-                if self._crc_ds.shape[0] < b0 + len(crcs):
-                    self._crc_ds.resize(b0 + len(crcs), axis=0)
-                self._crc_ds[b0 : b0 + len(crcs)] = np.array(crcs, dtype=layout.CRC_DTYPE)
+                if ds.crc.shape[0] < b0 + len(crcs):
+                    ds.crc.resize(b0 + len(crcs), axis=0)
+                ds.crc[b0 : b0 + len(crcs)] = np.array(crcs, dtype=layout.CRC_DTYPE)
         slot, tail_crc, new_tail = self._stage_tail(pts[-1] if tail_count else None)
         commit = Commit(
             length, full, slot, tail_count, partial_crc, tail_crc, c.generation + 1, c.rewinds
@@ -261,7 +278,7 @@ class StoredPoints:
             self._evict(keep=full // B if full % B else None)
             self._tail = new_tail
 
-        return Pending(self.points, commit, apply)
+        return Pending(ds.points, commit, apply)
 
     def stage_truncate(self, n: int, open_rows: np.ndarray | None) -> Pending:
         """Cut the stored stream to ``n`` rows (below the committed length); ``open_rows`` are
@@ -282,7 +299,7 @@ class StoredPoints:
             full,
             slot,
             n - full * self.codec.span,
-            layout.checksum(partial) if first else 0,
+            layout.checksum(partial) if partial is not None else 0,
             tail_crc,
             c.generation + 1,
             c.rewinds + 1,
@@ -293,11 +310,11 @@ class StoredPoints:
             del self._crcs[full // B :]
             for k in [k for k in self._blocks if k >= b]:
                 del self._blocks[k]
-            if first:
+            if partial is not None:
                 self._blocks[b] = partial
             self._tail = new_tail
 
-        return Pending(self.points, commit, apply)
+        return Pending(self._ds.points, commit, apply)
 
     def _stage_tail(self, point: np.ndarray | None):
         """Write the new open span's ``point`` (width, 2) to the inactive tail slot (the
@@ -306,7 +323,7 @@ class StoredPoints:
             return self.commit.tail_slot, 0, None
         point = np.ascontiguousarray(point)
         slot = 1 - self.commit.tail_slot
-        layout.write_tail(self._tail_ds, slot, point)
+        layout.write_tail(self._ds.tail, slot, point)
         return slot, layout.checksum(point), point
 
 

@@ -92,9 +92,9 @@ def symbol_array(symbols, alphabet_size: int, *, ndim: tuple[int, ...] = (1, 2),
             raise ValueError(f"{name} contain NaN at index {_fmt_index(_first_index(nan))}")
         frac = arr != np.floor(arr)
         if frac.any():
-            i = _first_index(frac)
-            raise TypeError(f"{name} must be integers, got {arr[i].item()!r} "
-                            f"at index {_fmt_index(i)}")
+            at = _first_index(frac)
+            raise TypeError(f"{name} must be integers, got {arr[at].item()!r} "
+                            f"at index {_fmt_index(at)}")
         if from_python:  # whole floats in a sequence: name the first
             for i, v in enumerate(_flat(symbols, arr)):
                 if not isinstance(v, (int, np.integer)):

@@ -337,24 +337,24 @@ class Archive:
         verified (:meth:`verify` on the copy: ChecksumError names the problems, nothing is
         written) and then uploaded whole, or moved into place for a local ``dst``."""
         self._session.check_open()
-        dst_is_url = _remote.is_url(dst)
-        if not dst_is_url and not self._session.remote and (
+        url = dst if _remote.is_url(dst) else None  # None: a local path
+        if url is None and not self._session.remote and (
                 os.path.abspath(dst) == os.path.abspath(self.path)):
             raise ValueError(f"cannot publish {self.path!r} onto itself; choose another path")
-        if not overwrite and (_remote.remote_exists(dst, storage_options) if dst_is_url
+        if not overwrite and (_remote.remote_exists(url, storage_options) if url is not None
                               else os.path.exists(dst)):
             raise ArchiveExistsError(f"{os.fspath(dst)!r} already exists; pass overwrite=True "
                                      "to replace it")
         if self.writable:
             self._session.flush()
-        where = None if dst_is_url else os.path.dirname(os.path.abspath(dst))
+        where = None if url is not None else os.path.dirname(os.path.abspath(dst))
         fd, tmp = tempfile.mkstemp(suffix=".h5", prefix=".fkv-publish-", dir=where)
         os.close(fd)
         try:
             _repack.repack(self._session.h5, tmp)
             self._check_copy(tmp)
-            if dst_is_url:
-                _remote.upload(tmp, dst, storage_options, overwrite=overwrite)
+            if url is not None:
+                _remote.upload(tmp, url, storage_options, overwrite=overwrite)
             else:
                 os.replace(tmp, dst)  # same directory: an atomic rename
         finally:

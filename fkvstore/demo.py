@@ -79,7 +79,7 @@ def step_sizes(st: DemoState) -> None:
     n = len(st.book)
     distinct = len(set(st.book))
     bits = max(1, int(np.ceil(np.log2(distinct))))
-    rows = [
+    rows: list[tuple[str, int | None]] = [  # size None: the compressor is not installed
         ("raw bytes", n),
         ("bit-packing, 8 bits (alphabet 256)", n),
         (
@@ -110,6 +110,14 @@ def step_sizes(st: DemoState) -> None:
     )
 
 
+def _book_stream(ar: fkvstore.Archive) -> fkvstore.TextStream:
+    """The demo's text stream in ``ar``; TypeError if the archive holds another kind there."""
+    s = ar[STREAM]
+    if not isinstance(s, fkvstore.TextStream):
+        raise TypeError(f"stream {STREAM!r} of {ar.path!r} is not a text stream")
+    return s
+
+
 def step_random_reads(st: DemoState, reads: int = 10_000) -> None:
     """Random single-byte reads from the reopened archive, checked against the book."""
     rng = np.random.default_rng(0)
@@ -129,7 +137,7 @@ def step_random_reads(st: DemoState, reads: int = 10_000) -> None:
     window = min(120, len(st.book))  # a short text is shown whole
     a = int(rng.integers(0, len(st.book) - window + 1))
     with fkvstore.open(st.out) as ar:
-        print(f"  bytes {a}..{a + window}: {ar[STREAM].text(a, a + window)!r}")
+        print(f"  bytes {a}..{a + window}: {_book_stream(ar).text(a, a + window)!r}")
 
 
 def step_append(st: DemoState) -> None:
@@ -150,7 +158,7 @@ def step_reopen(st: DemoState) -> None:
     t0 = time.perf_counter()
     with fkvstore.open(st.out) as ar:
         opened = time.perf_counter() - t0
-        s = ar[STREAM]
+        s = _book_stream(ar)
         same = s.bytes() == st.book
         n = len(s)
         tail = s.text(max(0, n - 60))
@@ -167,7 +175,7 @@ def step_reopen(st: DemoState) -> None:
 def step_search(st: DemoState) -> None:
     """Search the archive itself: exact hits with context, and the longest shared suffix."""
     with fkvstore.open(st.out) as ar:
-        s = ar[STREAM]
+        s = _book_stream(ar)
         t0 = time.perf_counter()
         s.build_index()
         built = time.perf_counter() - t0

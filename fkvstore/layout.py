@@ -114,7 +114,7 @@ class StreamInfo:
 
 def checksum(rows: np.ndarray, value: int = 0) -> int:
     """CRC-32 (zlib) of the little-endian float64 bytes of ``rows``, continuing from ``value``."""
-    return zlib.crc32(np.ascontiguousarray(rows, dtype=POINT_DTYPE), value)
+    return zlib.crc32(np.ascontiguousarray(rows, dtype=POINT_DTYPE).data, value)
 
 
 def stream_path(name: str) -> str:

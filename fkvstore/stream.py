@@ -191,9 +191,10 @@ class Stream(SearchMixin):
                 if blk is None:
                     blk = stored.block(b)
                 if self._grid_args is not None:
-                    # the kernel reads the one symbol straight from the cached chunk
+                    # the kernel reads the one symbol straight from the cached chunk (numba's
+                    # stubs type a jit function's __call__ as taking no arguments)
                     if (
-                        _grid_decode(
+                        _grid_decode(  # type: ignore[call-arg]
                             blk, b * self.block_spans, L, i, i + 1, *self._grid_args, self._out
                         )
                         < 0

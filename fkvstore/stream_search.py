@@ -15,36 +15,73 @@ is ignored and rebuilt, since it is derived data.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fkvstore._validate import integer
+from fkvstore.codec import Codec
 from fkvstore.errors import ArchiveFormatError, ChecksumError, RemoteArchiveError
 from fkvstore.index import TREE_FORMAT, SuffixIndex
+
+if TYPE_CHECKING:
+    from fkvstore._session import Pending, Session
+    from fkvstore._stored import StoredPoints
 
 __all__ = ["SearchMixin"]
 
 _KEY = "search_{}_{}"  # column, state array name
 _STATE = ("walk", "trees", "nodes", "indices", "boxes")
 
-_TAG_INTS = ("length", "generation", "rewinds")
-_TAG_STRS = ("index_id", "codec", "tree_format")
+
+@dataclass(frozen=True)
+class _Tag:
+    """The build tag every array of a persisted index carries (stored as its attributes)."""
+
+    index_id: str
+    length: int
+    generation: int
+    rewinds: int
+    codec: str
+    tree_format: str
 
 
-def _tag(attrs: dict) -> dict | None:
+def _tag(attrs: dict) -> _Tag | None:
     """The build tag a persisted index array carries, or None if it has none."""
     try:
-        tag = {k: int(attrs[k]) for k in _TAG_INTS}
-        tag.update({k: str(attrs[k]) for k in _TAG_STRS})
+        return _Tag(
+            index_id=str(attrs["index_id"]),
+            length=int(attrs["length"]),
+            generation=int(attrs["generation"]),
+            rewinds=int(attrs["rewinds"]),
+            codec=str(attrs["codec"]),
+            tree_format=str(attrs["tree_format"]),
+        )
     except (KeyError, TypeError, ValueError):
         return None
-    return tag
 
 
 class SearchMixin:
     """Suffix search over one column of a stream (see docs/search.md)."""
 
     _search_indexes: dict[int, SuffixIndex]
+    # the rest is Stream's, which this class is mixed into (declared for the type checker)
+    name: str
+    width: int
+    codec: Codec
+    _session: Session
+    _stored: StoredPoints
+    _nbuf: int
+
+    if TYPE_CHECKING:
+        def __len__(self) -> int: ...
+        def _check_open(self) -> None: ...
+        def _stage(self) -> Pending: ...
+        def read(self, start: int = 0, stop: int | None = None) -> np.ndarray: ...
+        def put_aux_array(self, key: str, array, attrs: dict | None = None) -> None: ...
+        def get_aux_array(self, key: str) -> tuple[np.ndarray, dict]: ...
+        def aux_array_names(self) -> list[str]: ...
 
     # ------------------------------------------------------------------ public
     def search(self, query, column: int = 0) -> np.ndarray:
@@ -139,16 +176,17 @@ class SearchMixin:
         if not set(keys.values()) <= set(self.aux_array_names()):
             return None
         c = self._stored.commit
-        state, tag = {}, None
+        state: dict[str, np.ndarray] = {}
+        tag: _Tag | None = None
         try:
             for name, key in keys.items():
                 array, attrs = self.get_aux_array(key)
                 this = _tag(attrs)
                 if tag is None:
                     tag = this
-                    if (tag is None or tag["rewinds"] != c.rewinds
-                            or tag["generation"] > c.generation or tag["length"] > c.length
-                            or tag["codec"] != str(self.codec.config())):
+                    if (tag is None or tag.rewinds != c.rewinds
+                            or tag.generation > c.generation or tag.length > c.length
+                            or tag.codec != str(self.codec.config())):
                         return None
                 elif this != tag:  # arrays of different builds: a torn write
                     return None
@@ -157,9 +195,9 @@ class SearchMixin:
             raise
         except (ChecksumError, ArchiveFormatError, OSError):  # damaged: derived data, rebuild
             return None
-        if state["walk"].shape != (tag["length"], 2):
+        if tag is None or state["walk"].shape != (tag.length, 2):  # tag: set by the loop
             return None
-        return state, tag["tree_format"]
+        return state, tag.tree_format
 
     def _search_truncated(self, n: int) -> None:
         for index in self._search_indexes.values():

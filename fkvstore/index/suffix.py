@@ -181,7 +181,7 @@ class SuffixIndex:
                      and int(trees[:, 3].sum()) == nodes.shape[0])
         if not bounds_ok:
             return False
-        restored = []
+        restored: list[cKDTree] = []
         pos = 0
         for a, b, off, size in trees.tolist():
             tree = cKDTree.__new__(cKDTree)
