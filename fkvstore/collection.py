@@ -21,7 +21,7 @@ import re
 import threading
 import time
 import uuid
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import unquote, urlparse
 
 import numpy as np
@@ -264,14 +264,14 @@ class Collection:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise ArchiveNotFoundError(
                 f"no archive at {', '.join(map(repr, missing[:3]))}{more}")
-        self._place = {}
+        self._place: dict[str, int] = {}
         for i, (name, path) in enumerate(located):
             self._place.setdefault(name, i)
             self._place.setdefault(path, i)
         if client is not None and workers is not None:
             raise ValueError("pass either a Dask client or a number of workers, not both")
         self._id = uuid.uuid4().hex
-        self._cluster = None
+        self._cluster: Any = None  # a LocalCluster this collection started
         self._owns_client = False
         self._closed = False
         self._plan_lock = threading.Lock()
@@ -431,7 +431,7 @@ class Collection:
             self._checked = now
             if workers != self._workers:
                 self._workers = workers
-                spread = {w: [] for w in workers}
+                spread: dict[str, list[tuple[int, str]]] = {w: [] for w in workers}
                 for i, path in enumerate(self._paths):
                     spread[workers[i % len(workers)]].append((i, path))
                 self._specs = {w: tuple(s) for w, s in spread.items() if s}
@@ -500,5 +500,8 @@ class Collection:
 
 
 def _run_local(collection: Collection, op: str, spec, *args):
-    with collection._local.lock:
-        return getattr(collection._local, op)(spec, *args)
+    shard = collection._local
+    if shard is None:
+        raise RuntimeError("a collection on a Dask cluster has no in-process shard")
+    with shard.lock:
+        return getattr(shard, op)(spec, *args)
