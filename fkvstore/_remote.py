@@ -19,7 +19,7 @@ import os
 import re
 import uuid
 from collections import OrderedDict
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 from fkvstore.errors import (
     ArchiveExistsError,
@@ -36,6 +36,7 @@ __all__ = [
     "OPEN_BYTES",
     "RemoteObject",
     "is_url",
+    "missing_objects",
     "remote_exists",
     "upload",
 ]
@@ -244,6 +245,43 @@ def remote_exists(url: str, storage_options: dict | None = None) -> bool:
         return bool(fs.exists(path))
     except Exception as exc:
         raise storage_error(exc, url, "checking") from exc
+
+
+def missing_objects(urls: list[str], storage_options: dict | None = None) -> list[str]:
+    """The ``urls`` at which no object exists, checked with as few requests as reasonable: one
+    listing per folder holding two or more of them (a page per 1,000 objects on S3), then one
+    ``info`` (a HEAD) for each not listed, or for each if the listing fails or is refused. A
+    listing only ever confirms objects, so a backend that lists loosely (HTTP) costs requests,
+    never a wrong answer. RemoteAuthError (naming the URL) when the storage refuses a check."""
+    groups: dict[tuple[int, str], list[tuple[str, Any, str]]] = {}  # (url, filesystem, path)
+    for url in urls:
+        fs, path = _filesystem(url, storage_options)
+        path = fs._strip_protocol(path).rstrip("/")
+        groups.setdefault((id(fs), fs._parent(path)), []).append((url, fs, path))
+    missing = []
+    for (_, parent), members in groups.items():
+        listed: set[str] = set()
+        fs = members[0][1]
+        if len(members) > 1:
+            try:
+                fs.invalidate_cache(parent)
+                listed = {fs._strip_protocol(e["name"]).rstrip("/")
+                          for e in fs.ls(parent, detail=True) if e.get("type") == "file"}
+            except Exception:  # refused (no list permission), no such bucket, no listing
+                listed = set()
+        for url, fs, path in members:
+            if path in listed:
+                continue
+            try:
+                fs.invalidate_cache(path)
+                found = fs.info(path).get("type") == "file"  # a prefix ("folder") is no archive
+            except FileNotFoundError:
+                found = False
+            except Exception as exc:
+                raise storage_error(exc, url, "checking") from exc
+            if not found:
+                missing.append(url)
+    return missing
 
 
 def upload(local_path: str | os.PathLike, url: str, storage_options: dict | None = None, *,

@@ -10,14 +10,15 @@ result does not depend on the number of workers. Without a Dask client the same 
 this process, one archive after another.
 
 Dask is imported only when a client or a worker count is given (``pip install
-fkvstore[dask]``). Archives are local paths (``file://`` URLs too) that every worker can open;
-other URLs are refused until remote archives exist. See docs/collection.md.
+fkvstore[dask]``). Archives are local paths (``file://`` URLs too) that every worker can open,
+or any fsspec URL (``s3://bucket/key.h5``), opened read-only on the workers through the remote
+block cache with the collection's ``storage_options`` (which travel with each task, hidden from
+reprs and logs). See docs/collection.md.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 import uuid
@@ -26,12 +27,11 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 
-from fkvstore import archive
+from fkvstore import _remote, archive
 from fkvstore.errors import ArchiveClosedError, ArchiveNotFoundError, FkvError
 
 __all__ = ["Collection", "Hit"]
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _RECHECK_S = 1.0  # how long a fetched list of workers is trusted
 _PATIENCE_S = 2.0  # a task that takes longer makes the client check that its worker is alive
 _ATTEMPTS = 3
@@ -39,6 +39,19 @@ _ATTEMPTS = 3
 
 class _WorkerLost(Exception):
     """Internal: a worker holding pinned tasks left the cluster."""
+
+
+class _Hidden:
+    """fsspec storage options on their way to the workers: they may hold credentials, and Dask
+    logs a failed task's arguments by their repr, so the repr shows none of them."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: dict | None):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return "<storage options hidden>" if self.value else "<no storage options>"
 
 
 class Hit(NamedTuple):
@@ -58,18 +71,21 @@ class Hit(NamedTuple):
 class _Shard:
     """The archives one process holds for one collection: opened read-only on first use and
     kept, so each searched stream keeps its index between queries. ``spec``: a tuple of
-    ``(place in the collection, local path)``. One lock per shard: an Archive must not be used
-    by two threads at once (a worker with several threads, or concurrent sequential callers)."""
+    ``(place in the collection, local path or URL)``; ``options``: the fsspec storage options
+    URLs are opened with (ignored for local paths). One lock per shard: an Archive must not be
+    used by two threads at once (a worker with several threads, or concurrent sequential
+    callers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: _Hidden | None = None) -> None:
         self.lock = threading.Lock()
+        self.options = options or _Hidden(None)
         self.archives: dict[int, archive.Archive] = {}
         self.names: dict[int, list[str]] = {}
 
     def _archive(self, i: int, path: str):
         ar = self.archives.get(i)
         if ar is None:
-            ar = archive.open(path, "r")
+            ar = archive.open(path, "r", storage_options=self.options.value)
             self.archives[i] = ar
             self.names[i] = sorted(ar)
         return ar
@@ -149,10 +165,10 @@ _SHARDS: dict[str, _Shard] = {}  # collection id -> this process's shard
 _SHARDS_LOCK = threading.Lock()
 
 
-def _run(collection_id: str, op: str, spec, *args):
+def _run(collection_id: str, op: str, options: _Hidden, spec, *args):
     """The one task function: ``op`` on this process's shard of the collection."""
     with _SHARDS_LOCK:
-        shard = _SHARDS.setdefault(collection_id, _Shard())
+        shard = _SHARDS.setdefault(collection_id, _Shard(options))
     with shard.lock:
         return getattr(shard, op)(spec, *args)
 
@@ -187,20 +203,17 @@ def _rss() -> int | None:
 
 
 # ---------------------------------------------------------------------------------- client side
-def _locate(item) -> tuple[str, str]:
-    """``(name as given, absolute local path)`` of one archive of a collection."""
-    if isinstance(item, str) and _URL.match(item):
+def _locate(item) -> tuple[str, str, bool]:
+    """``(name as given, absolute local path or the URL, whether remote)`` of one archive."""
+    if _remote.is_url(item):
         url = urlparse(item)
-        if url.scheme != "file" or url.netloc not in ("", "localhost"):
-            raise ValueError(
-                f"archive {item!r}: remote archives (URLs) are not supported yet; pass a local "
-                "path or a file:// URL"
-            )
-        return item, os.path.abspath(unquote(url.path))
+        if url.scheme == "file" and url.netloc in ("", "localhost"):
+            return item, os.path.abspath(unquote(url.path)), False
+        return item, item, True
     if not isinstance(item, (str, os.PathLike)):
         raise TypeError(f"an archive must be a path or URL (str), got {type(item).__name__} "
                         f"{item!r}")
-    return os.fspath(item), os.path.abspath(os.fspath(item))
+    return os.fspath(item), os.path.abspath(os.fspath(item)), False
 
 
 def _check_query(query):
@@ -237,35 +250,48 @@ def _check_column(column) -> int:
 class Collection:
     """Many archives searched as one.
 
-    ``archives``: paths (str or os.PathLike) or ``file://`` URLs; each must exist
-    (:class:`~fkvstore.errors.ArchiveNotFoundError`, a ``FileNotFoundError``, naming the missing
-    ones, before any work starts) and appear once. ``client``: a ``distributed.Client`` to run on;
+    ``archives``: paths (str or os.PathLike) or URLs: ``file://`` as a local path, any other
+    fsspec URL (``s3://bucket/key.h5``) opened read-only with ``storage_options`` (fsspec's:
+    credentials, endpoint; sent to the workers with each task, never shown in a repr). Each must
+    exist (:class:`~fkvstore.errors.ArchiveNotFoundError`, a ``FileNotFoundError``, naming the
+    missing ones, before any work starts: local paths in the client's file system, URLs with
+    one listing per folder and a HEAD per archive not listed; refused credentials raise
+    :class:`~fkvstore.errors.RemoteAuthError` naming the URL) and appear once.
+    ``client``: a ``distributed.Client`` to run on;
     ``workers``: start a private ``LocalCluster`` of that many single-threaded worker processes
     (closed with the collection) instead; neither: run in this process, one archive after
     another. Use as a context manager or call :meth:`close`, which closes every archive the
     workers hold.
     """
 
-    def __init__(self, archives, *, client=None, workers: int | None = None):
+    def __init__(self, archives, *, storage_options: dict | None = None, client=None,
+                 workers: int | None = None):
         if isinstance(archives, (str, os.PathLike)):
             raise TypeError("archives: pass a list of paths, not a single path")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict or None, got "
+                            f"{type(storage_options).__name__}")  # no repr: it may hold secrets
         located = [_locate(a) for a in archives]
         if not located:
             raise ValueError("a collection needs at least one archive")
-        self.archives: tuple[str, ...] = tuple(name for name, _ in located)
-        self._paths = tuple(path for _, path in located)
+        self.archives: tuple[str, ...] = tuple(name for name, _, _ in located)
+        self._paths = tuple(path for _, path, _ in located)
+        self._options = _Hidden(storage_options)
         seen: dict[str, str] = {}
-        for name, path in located:
+        for name, path, _ in located:
             if path in seen:
                 raise ValueError(f"archive {name!r} is given twice (as {seen[path]!r} too)")
             seen[path] = name
-        missing = [name for name, path in located if not os.path.exists(path)]
+        urls = [path for _, path, remote in located if remote]
+        gone = set(_remote.missing_objects(urls, storage_options) if urls else ())
+        missing = [name for name, path, remote in located
+                   if (path in gone if remote else not os.path.exists(path))]
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise ArchiveNotFoundError(
                 f"no archive at {', '.join(map(repr, missing[:3]))}{more}")
         self._place: dict[str, int] = {}
-        for i, (name, path) in enumerate(located):
+        for i, (name, path, _) in enumerate(located):
             self._place.setdefault(name, i)
             self._place.setdefault(path, i)
         if client is not None and workers is not None:
@@ -282,7 +308,7 @@ class Collection:
         if workers is not None:
             client = self._start_cluster(workers)
         self._client = client
-        self._local = _Shard() if client is None else None
+        self._local = _Shard(self._options) if client is None else None
 
     def _start_cluster(self, workers):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -447,7 +473,7 @@ class Collection:
             futures = []
             for _tag, w, op, spec, args in calls:
                 self._touched.add(w)
-                futures.append(self._client.submit(_run, self._id, op, spec, *args,
+                futures.append(self._client.submit(_run, self._id, op, self._options, spec, *args,
                                                    workers=[w], allow_other_workers=False,
                                                    pure=False))
             try:

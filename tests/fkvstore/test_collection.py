@@ -13,7 +13,12 @@ from hypothesis import strategies as st
 
 import fkvstore
 from fkvstore import Collection, Hit
-from fkvstore.errors import ArchiveClosedError, ArchiveNotFoundError, StreamNotFoundError
+from fkvstore.errors import (
+    ArchiveClosedError,
+    ArchiveNotFoundError,
+    RemoteAuthError,
+    StreamNotFoundError,
+)
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -254,8 +259,10 @@ def test_bad_collections_are_refused(fleet):
         Collection(fleet[0])
     with pytest.raises(TypeError, match="path or URL"):
         Collection([fleet[0], 3])
-    with pytest.raises(ValueError, match="not supported yet"):
-        Collection(["s3://bucket/session-000.h5"])
+    with pytest.raises(ValueError, match="nosuchproto"):  # fsspec knows no such protocol
+        Collection(["nosuchproto://bucket/session-000.h5"])
+    with pytest.raises(TypeError, match="storage_options must be a dict or None, got str"):
+        Collection(fleet, storage_options="key=secret")
     with pytest.raises(ValueError, match="not both"):
         Collection(fleet, client=object(), workers=2)
     with pytest.raises(ValueError, match="workers must be a positive int, got 0"):
@@ -306,3 +313,88 @@ def test_import_fkvstore_does_not_import_dask():
             "print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------------- remote archives (S3)
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server on 127.0.0.1, IAM authentication on (tests/support/s3_server.py);
+    skipped without the remote/test extras, a failure instead under FKV_REQUIRE_REMOTE=1."""
+    from s3_server import S3Server, skip_unless_installed
+
+    skip_unless_installed()
+    server = S3Server(auth=True).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def published(s3, fleet):
+    """The token archives of the fleet published to the server: ``(urls, local paths)``."""
+    urls = []
+    for path in fleet[:-1]:
+        url = s3.url("fleet/" + os.path.basename(path))
+        fkvstore.copy(path, url, storage_options=s3.storage_options)
+        urls.append(url)
+    return urls, fleet[:-1]
+
+
+def as_urls(expected, urls, paths):
+    where = dict(zip(paths, urls, strict=True))
+    return [(where[p], name, ends) for p, name, ends in expected]
+
+
+def test_remote_search_equals_a_sequential_scan(s3, published, mode):
+    urls, paths = published
+    with Collection(urls, storage_options=s3.storage_options, **mode) as coll:
+        assert "secret" not in repr(coll) and s3.storage_options["secret"] not in repr(coll)
+        coll.warm(stream="tok")
+        with s3.counting() as warm:  # warm: the indexes and blocks are held, nothing is fetched
+            for q in QUERIES:
+                assert_hits_equal(coll.search(np.array(q), stream="tok"),
+                                  as_urls(naive_hits(paths, q, ["tok"]), urls, paths))
+            many = coll.search_many([np.array(q) for q in QUERIES], stream="tok", batch=2)
+        assert warm.n == 0, warm.requests
+        assert [[(h.archive, h.positions.tolist()) for h in r] for r in many] == [
+            [(h.archive, h.positions.tolist()) for h in coll.search(q, "tok")] for q in QUERIES]
+        assert_hits_equal(coll.search([1, 2], stream=["wide", "tok"]),
+                          as_urls(naive_hits(paths, [1, 2], ["tok", "wide"]), urls, paths))
+        hit = coll.search([3, 1, 4], stream="tok")[0]
+        assert coll.context(hit.archive, "tok", int(hit.positions[0]), 2, 0).tolist() == [3, 1, 4]
+
+
+def test_local_and_remote_archives_mix(s3, published, client):
+    urls, paths = published
+    mixed = [paths[0], urls[1], "file://" + os.path.abspath(paths[2])]
+    with Collection(mixed, storage_options=s3.storage_options, client=client) as coll:
+        want = naive_hits(paths[:3], [1, 5], ["tok"])
+        assert_hits_equal(coll.search([1, 5], stream="tok"),
+                          [(mixed[paths.index(p)], n, e) for p, n, e in want])
+
+
+def test_a_missing_remote_archive_is_named_up_front(s3, published):
+    urls, _ = published
+    gone = s3.url("fleet/gone.h5")
+    with s3.counting() as checks, pytest.raises(ArchiveNotFoundError, match="gone.h5") as info:
+        Collection([*urls, gone], storage_options=s3.storage_options, client=object())
+    assert isinstance(info.value, FileNotFoundError)
+    # one listing of the folder, then only the archive it did not list is asked about (s3fs:
+    # a HEAD, and a listing of the key as a prefix)
+    methods = [r.method for r in checks.requests]
+    assert methods[0] == "GET" and "list-type" in checks.requests[0].query, checks.requests
+    assert methods.count("HEAD") == 1 and checks.n <= 3, checks.requests
+    with pytest.raises(ArchiveNotFoundError, match="no-such-bucket"):
+        Collection(["s3://no-such-bucket/a.h5", "s3://no-such-bucket/b.h5"],
+                   storage_options=s3.storage_options)
+
+
+def test_wrong_credentials_are_named_and_not_shown(s3, published):
+    urls, _ = published
+    with pytest.raises(RemoteAuthError, match="credentials") as info:
+        Collection(urls, storage_options=s3.bad_options)
+    assert urls[0] in str(info.value)
+    assert isinstance(info.value, PermissionError)
+    assert s3.bad_options["secret"] not in str(info.value)
+    from fkvstore.collection import _Hidden
+
+    assert repr(_Hidden(s3.storage_options)) == "<storage options hidden>"

@@ -114,7 +114,8 @@ class Counts:
 
 class S3Server:
     """moto's S3 (and IAM) on 127.0.0.1; ``auth=True`` makes it check credentials: only
-    :attr:`storage_options` (a user allowed ``s3:*``) may read and write."""
+    :attr:`storage_options` (a user allowed ``s3:*``) may read and write. moto's state is
+    per process: :meth:`start` empties it, so run one server per process at a time."""
 
     def __init__(self, auth: bool = True, bucket: str = "fkv"):
         self.auth = auth
@@ -143,9 +144,19 @@ class S3Server:
         return {"key": key, "secret": secret,
                 "client_kwargs": {"endpoint_url": self.endpoint, "region_name": REGION}}
 
+    def _moto_api(self, action: str, data: bytes) -> None:
+        urllib.request.urlopen(urllib.request.Request(
+            f"{self.endpoint}/moto-api/{action}", data=data, method="POST",
+            headers={"Content-Type": "text/plain"})).read()
+
     def _setup(self) -> tuple[str, str]:
         import boto3
 
+        # moto keeps its accounts, buckets and authentication switch per process, not per
+        # server: a server started after another one in this process (a second test module)
+        # would find auth already on and the user and bucket already there
+        self._moto_api("reset-auth", b"inf")
+        self._moto_api("reset", b"")
         kw = {"endpoint_url": self.endpoint, "region_name": REGION,
               "aws_access_key_id": "setup", "aws_secret_access_key": "setup"}
         iam = boto3.client("iam", **kw)
@@ -156,9 +167,7 @@ class S3Server:
         key = iam.create_access_key(UserName="fkv")["AccessKey"]
         boto3.client("s3", **kw).create_bucket(Bucket=self.bucket)
         if self.auth:  # from now on every request must be signed by a known key
-            urllib.request.urlopen(urllib.request.Request(
-                f"{self.endpoint}/moto-api/reset-auth", data=b"0", method="POST",
-                headers={"Content-Type": "text/plain"})).read()
+            self._moto_api("reset-auth", b"0")
         return key["AccessKeyId"], key["SecretAccessKey"]
 
     def url(self, key: str) -> str:
