@@ -27,7 +27,7 @@ from model_adapters.caches.sharing import deepcopy_sharing
 from model_adapters.caches.window import check_window, crop_target
 from model_adapters.models import KVShape, kv_shape
 from model_adapters.quant.quantizer import KVQuantizer
-from model_adapters.quant.rvq import decode
+from model_adapters.quant.rvq import check_codes, decode
 
 __all__ = ["CodesOnlyCache", "CodesOnlyLayer", "NoDenseKeysError", "use_codes_attention"]
 
@@ -207,9 +207,10 @@ class CodesOnlyLayer(CacheLayerMixin):
         q = self.cache.device_quantizer(self.device)
         n, cut = self.archived, self.archived_end - self.tail_start
         ks, vs = [self.head_k.to(dtype)], [self.head_v.to(dtype)]
-        if n:
-            ks.append(decode(self.key_codes[:, :, :n], q.key_codebooks[self.layer_idx], dtype))
-            vs.append(decode(self.value_codes[:, :, :n], q.value_codebooks[self.layer_idx], dtype))
+        if n:  # trusted: our encoder wrote the codes, or load_state checked them
+            kb, vb = q.key_codebooks[self.layer_idx], q.value_codebooks[self.layer_idx]
+            ks.append(decode(self.key_codes[:, :, :n], kb, dtype, trusted=True))
+            vs.append(decode(self.value_codes[:, :, :n], vb, dtype, trusted=True))
         ks.append(self.tail_k[:, :, cut:].to(dtype))
         vs.append(self.tail_v[:, :, cut:].to(dtype))
         return torch.cat(ks, 2), torch.cat(vs, 2)
@@ -225,7 +226,10 @@ class CodesOnlyLayer(CacheLayerMixin):
     ) -> None:
         """Install a saved state (resume): exact ``head`` ``(batch, kv_heads, <=sinks, d)``,
         ``codes`` ``(batch, kv_heads, archived, stages)`` per side, exact ``tail`` covering
-        positions ``[tail_start, length)``."""
+        positions ``[tail_start, length)``. ValueError for a code outside the codebooks (checked
+        here, once, so that decoding them later needs no check)."""
+        for c in codes:
+            check_codes(c, self.cache.quantizer.codebook_size)
         self.lazy_initialization(head[0], head[1])
         self.head_k, self.head_v = head
         self.key_codes, self.value_codes = codes

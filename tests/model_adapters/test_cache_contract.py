@@ -13,6 +13,7 @@ from model_adapters.caches.archiving import ArchivingCache
 from model_adapters.caches.code_rows import CodeRows
 from model_adapters.caches.codes_only import CodesOnlyCache, NoDenseKeysError
 from model_adapters.models import cache_kwarg
+from model_adapters.quant.rvq import decode
 
 IDS = torch.randint(2, 100, (2, 30), generator=torch.Generator().manual_seed(3))
 
@@ -91,3 +92,34 @@ def test_copies_share_the_codebooks_and_compute_the_same(kind):
     want = step_logits(model, cache, IDS[:, 20:], 1)
     torch.testing.assert_close(got_a, want, rtol=0, atol=0)
     torch.testing.assert_close(got_b, want, rtol=0, atol=0)
+
+
+def test_a_decode_chunk_compiles_without_graph_breaks_from_our_code():
+    # the range check of rvq.decode read codes back to the host: 20 graph breaks per chunk
+    _, model = model_pair("qwen3")
+    cache = CodesOnlyCache(model, random_quantizer(model), sinks=2, recent=4)
+    kw = cache_kwarg(model)
+    with torch.no_grad():
+        model(IDS[:1, :20], **{kw: cache})
+        assert cache.archived_tokens == 14
+        explained = torch._dynamo.explain(lambda x: model(x, **{kw: cache}).logits)(IDS[:1, 20:24])
+    ours = [
+        str(b.reason).splitlines()[0]
+        for b in explained.break_reasons
+        if any("model_adapters" in f.filename or "kernels" in f.filename for f in b.user_stack)
+    ]
+    assert ours == []
+    assert cache.get_seq_length() == 24
+
+
+def test_codes_from_outside_are_checked_where_they_enter():
+    _, model = model_pair("gpt2")
+    cache = CodesOnlyCache(model, random_quantizer(model), sinks=2, recent=4)
+    layer = cache.layers[0]
+    exact = torch.zeros(1, 4, 2, 16)
+    bad = torch.full((1, 4, 3, 2), 16, dtype=torch.uint8)  # 16 codewords: 16 is out of range
+    with pytest.raises(ValueError, match=r"codes must lie in \[0, 16\), got range \[16, 16\]"):
+        layer.load_state((exact, exact), (bad, bad), (exact, exact), length=7, tail_start=5)
+    assert not layer.is_initialized
+    with pytest.raises(ValueError, match=r"codes must lie in \[0, 16\)"):
+        decode(bad, cache.quantizer.key_codebooks[0])  # untrusted callers keep the check
