@@ -143,6 +143,23 @@ class ArchivingLayer(DynamicLayer):
             self.archived_until = new_until if new_until > self.sinks else 0
         super().crop(keep - length)
 
+    # the exact copies follow the batch like keys and values do (beam search, repeats)
+    def _map_exact(self, fn) -> None:
+        if self.exact_k is not None:
+            self.exact_k, self.exact_v = fn(self.exact_k), fn(self.exact_v)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_exact(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_exact(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_exact(lambda t: t[indices, ...])
+
     def reset(self) -> None:
         if self.archived_until:
             raise ValueError("an archiving cache cannot be reset after it archived positions")

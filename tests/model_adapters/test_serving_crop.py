@@ -19,17 +19,17 @@ IDS = torch.randint(2, 100, (2, 44), generator=torch.Generator().manual_seed(7))
 WINDOW = dict(sinks=2, recent=5, rewind=4)
 
 
-def run(model, cache, upto, start=0, prefill=12):
-    """Feed ``IDS[:, start:upto]`` (a prefill of ``prefill`` tokens first when start is 0)."""
+def run(model, cache, upto, start=0, prefill=12, ids=IDS):
+    """Feed ``ids[:, start:upto]`` (a prefill of ``prefill`` tokens first when start is 0)."""
     kw = cache_kwarg(model)
     out = []
     with torch.no_grad():
         first = start
         if start == 0:
-            out.append(model(IDS[:, :prefill], **{kw: cache}).logits)
+            out.append(model(ids[:, :prefill], **{kw: cache}).logits)
             first = prefill
         for t in range(first, upto):
-            out.append(model(IDS[:, t : t + 1], **{kw: cache}).logits)
+            out.append(model(ids[:, t : t + 1], **{kw: cache}).logits)
     return torch.cat(out, 1)
 
 
@@ -164,6 +164,23 @@ def test_archiving_crop_then_continue_equals_fresh_run(arch, back):
     want = run(ref, fresh, 44, start=30 - back)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert cropped.archived_tokens == fresh.archived_tokens == 44 - 2 - 5
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_archiving_crop_after_a_beam_reorder(arch):
+    # the exact copies a crop restores follow the batch order, like keys and values
+    ref, _ = model_pair(arch, torch.float64)
+    q = random_quantizer(ref)
+    cache = ArchivingCache(ref, q, sinks=2, recent=5)
+    run(ref, cache, 30)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    cache.crop(-4)
+    fresh = ArchivingCache(ref, q, sinks=2, recent=5)
+    swapped = IDS.flip(0)
+    run(ref, fresh, 26, ids=swapped)
+    want = run(ref, fresh, 40, start=26, ids=swapped)
+    got = run(ref, cache, 40, start=26, ids=swapped)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_archiving_crop_refusals_change_nothing():
