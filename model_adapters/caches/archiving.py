@@ -125,7 +125,8 @@ class ArchivingLayer(DynamicLayer):
                 raise ValueError(
                     f"cannot crop layer {self.layer_idx} to {keep} positions: positions up to "
                     f"{self.archived_until} are already archived and their codes went to the "
-                    f"rows collector (crop to at least {self.archived_until + self.recent - 1})"
+                    f"rows collector (crop to at least "
+                    f"{self.archived_until + max(self.recent - 1, 0)})"
                 )
             lo_pos, hi_pos = max(new_until, self.sinks), min(self.archived_until, keep)
             if lo_pos < hi_pos:  # positions past keep are dropped, not restored
@@ -134,7 +135,8 @@ class ArchivingLayer(DynamicLayer):
                     raise ValueError(
                         f"cannot crop layer {self.layer_idx} to {keep} positions: positions up "
                         f"to {self.archived_until} are already archived and exact copies are "
-                        f"kept only from {lowest} (crop to at least {lowest + self.recent - 1})"
+                        f"kept only from {lowest} (crop to at least {lowest + self.recent - 1}, "
+                        f"or to at most {self.sinks})"
                     )
                 lo, hi = lo_pos - self.exact_from, hi_pos - self.exact_from
                 self.keys[..., lo_pos:hi_pos, :] = self.exact_k[..., lo:hi, :]

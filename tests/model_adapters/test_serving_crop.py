@@ -190,12 +190,16 @@ def test_archiving_crop_refusals_change_nothing():
     run(ref, cache, 30)
     before = [(t.clone(), layer.archived_until) for layer in cache.layers for t in layer.keys]
     # archived up to 25, exact copies of [20, 25): keep + 1 - 5 >= 20
-    with pytest.raises(ValueError, match="exact copies are kept only from 20"):
+    with pytest.raises(ValueError, match="kept only from 20 .crop to at least 24, or to at most 2"):
         cache.crop(-7)
     after = [(t.clone(), layer.archived_until) for layer in cache.layers for t in layer.keys]
     assert all(torch.equal(a, b) and x == y for (a, x), (b, y) in zip(before, after, strict=True))
     cache.crop(-6)  # the oldest legal length: 24 = 20 + 5 - 1
     assert cache.get_seq_length() == 24
+    sinks = [layer.keys[..., :2, :].clone() for layer in cache.layers]
+    cache.crop(2)  # into the sinks: nothing archived is left, nothing needs restoring
+    assert cache.get_seq_length() == 2 and cache.archived_tokens == 0
+    assert all(torch.equal(k, layer.keys) for k, layer in zip(sinks, cache.layers, strict=True))
 
 
 def test_archiving_crop_refuses_to_take_back_collected_rows():
