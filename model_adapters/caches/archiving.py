@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from model_adapters.caches.code_rows import CodeRows
+from model_adapters.caches.sharing import deepcopy_sharing
 from model_adapters.caches.window import check_window, crop_target
 from model_adapters.models import KVShape, kv_shape
 from model_adapters.quant.quantizer import KVQuantizer
@@ -53,6 +54,11 @@ class ArchivingLayer(DynamicLayer):
         self.rows = rows
         self.track_error = track_error
         self.archived_until = 0  # positions [sinks, archived_until) hold reconstructions
+        # exact K/V of the last ``recent`` archived positions, [exact_from, archived_until): what
+        # crop needs to make positions exact again that a fresh run would still hold exact
+        self.exact_from = 0
+        self.exact_k: torch.Tensor | None = None
+        self.exact_v: torch.Tensor | None = None
         # per side (K, V): [squared error, sum of x, sum of x^2, vectors] of archived positions
         self.error_stats = [[0.0, None, 0.0, 0], [0.0, None, 0.0, 0]]
 
@@ -68,6 +74,7 @@ class ArchivingLayer(DynamicLayer):
             if self.track_error:
                 self._track_error(0, old_k, kr)
                 self._track_error(1, old_v, vr)
+            self._keep_exact(start, end, old_k, old_v)
             if self.quantizer.key_stages:
                 self.keys[..., start:end, :] = kr
             if self.quantizer.value_stages:
@@ -76,6 +83,17 @@ class ArchivingLayer(DynamicLayer):
                 self.rows.add(self.layer_idx, kc, vc)
             self.archived_until = end
         return self.keys, self.values
+
+    def _keep_exact(self, start: int, end: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append the exact ``(batch, kv_heads, end - start, head_dim)`` K/V about to be
+        overwritten, keeping only the last ``recent`` archived positions."""
+        if self.exact_k is None or self.exact_from + self.exact_k.shape[-2] != start:
+            self.exact_k, self.exact_v, self.exact_from = k[..., :0, :], v[..., :0, :], start
+        first = max(self.exact_from, end - self.recent)
+        drop = first - self.exact_from
+        self.exact_k = torch.cat([self.exact_k[..., drop:, :], k[..., first - start :, :]], -2)
+        self.exact_v = torch.cat([self.exact_v[..., drop:, :], v[..., first - start :, :]], -2)
+        self.exact_from = first
 
     def _track_error(self, side: int, x: torch.Tensor, recon: torch.Tensor) -> None:
         x64 = x.detach().double().reshape(-1, x.shape[-1])
@@ -88,17 +106,61 @@ class ArchivingLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         """``n < 0`` drops the last ``-n`` positions, ``n > 0`` keeps the first ``n`` (both
         transformers conventions, :func:`~model_adapters.caches.window.crop_target`), ``0`` does
-        nothing; archived positions cannot be dropped."""
+        nothing.
+
+        Continuing after a crop computes what a fresh run on the kept tokens computes: archived
+        positions that such a run would still hold exact (those at or past ``keep + 1 -
+        recent``) get their exact K/V back from the copies kept of the last ``recent`` archived
+        positions. ValueError, before anything changes, when that needs positions older than
+        those copies, or positions whose codes already went to a rows collector.
+        """
         length = self.get_seq_length()
         keep = crop_target(tokens_to_remove, length)
         if keep == length:
             return
-        if keep < self.archived_until:
-            raise ValueError(
-                f"cannot crop layer {self.layer_idx} to {keep} positions: positions up to "
-                f"{self.archived_until} are already archived"
-            )
+        # the next chunk's queries all see reconstructions below keep + 1 - recent anyway
+        new_until = min(self.archived_until, keep, max(keep + 1 - self.recent, self.sinks))
+        if new_until < self.archived_until:
+            if self.rows is not None:
+                raise ValueError(
+                    f"cannot crop layer {self.layer_idx} to {keep} positions: positions up to "
+                    f"{self.archived_until} are already archived and their codes went to the "
+                    f"rows collector (crop to at least "
+                    f"{self.archived_until + max(self.recent - 1, 0)})"
+                )
+            lo_pos, hi_pos = max(new_until, self.sinks), min(self.archived_until, keep)
+            if lo_pos < hi_pos:  # positions past keep are dropped, not restored
+                if self.exact_k is None or lo_pos < self.exact_from:
+                    lowest = self.archived_until if self.exact_k is None else self.exact_from
+                    raise ValueError(
+                        f"cannot crop layer {self.layer_idx} to {keep} positions: positions up "
+                        f"to {self.archived_until} are already archived and exact copies are "
+                        f"kept only from {lowest} (crop to at least {lowest + self.recent - 1}, "
+                        f"or to at most {self.sinks})"
+                    )
+                lo, hi = lo_pos - self.exact_from, hi_pos - self.exact_from
+                self.keys[..., lo_pos:hi_pos, :] = self.exact_k[..., lo:hi, :]
+                self.values[..., lo_pos:hi_pos, :] = self.exact_v[..., lo:hi, :]
+                self.exact_k, self.exact_v = self.exact_k[..., :lo, :], self.exact_v[..., :lo, :]
+            self.archived_until = new_until if new_until > self.sinks else 0
         super().crop(keep - length)
+
+    # the exact copies follow the batch like keys and values do (beam search, repeats)
+    def _map_exact(self, fn) -> None:
+        if self.exact_k is not None:
+            self.exact_k, self.exact_v = fn(self.exact_k), fn(self.exact_v)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_exact(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_exact(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_exact(lambda t: t[indices, ...])
 
     def reset(self) -> None:
         if self.archived_until:
@@ -162,6 +224,22 @@ class ArchivingCache(Cache):
             for i in range(shape.num_layers)
         ]
         super().__init__(layers=layers)
+
+    def __deepcopy__(self, memo: dict) -> ArchivingCache:
+        """A copy with its own K/V that shares the quantizer (codebooks, look-up tables)."""
+        return deepcopy_sharing(self, memo, [self.quantizer] if self.quantizer else [])
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        # checked before any layer changes: a batch above 1 (beams, num_return_sequences)
+        # would otherwise fail in the first layer that archives, leaving layers out of step
+        if self.rows is not None and self.quantizer is not None:
+            self.rows.check_batch(key_states.shape[0])
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.rows is not None and self.quantizer is not None:
+            self.rows.check_batch(repeats)  # the cache holds batch 1: it would hold ``repeats``
+        super().batch_repeat_interleave(repeats)
 
     @property
     def archived_tokens(self) -> int:

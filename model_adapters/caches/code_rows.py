@@ -56,6 +56,16 @@ class CodeRows:
         self.kept: list[np.ndarray] = []
         self.emitted = 0
 
+    @staticmethod
+    def check_batch(batch: int) -> None:
+        """ValueError unless ``batch`` is 1: one archive row describes one token of one
+        sequence (caches call this before a step changes any layer)."""
+        if batch != 1:
+            raise ValueError(
+                "a cache that hands codes to a rows collector or an archive needs batch size 1 "
+                f"(one row per token), got batch {batch}"
+            )
+
     def add(self, layer: int, key_codes: torch.Tensor, value_codes: torch.Tensor) -> None:
         """Codes of newly archived positions of one layer.
 
@@ -64,11 +74,7 @@ class CodeRows:
             key_codes, value_codes: ``(batch, kv_heads, n, stages)``; batch must be 1, since
                 one archive row describes one token of one sequence.
         """
-        if key_codes.shape[0] != 1:
-            raise ValueError(
-                "archiving codes needs batch size 1 (one row per token), "
-                f"got batch {key_codes.shape[0]}"
-            )
+        self.check_batch(key_codes.shape[0])
         self._pending[layer].append((key_codes[0].cpu().numpy(), value_codes[0].cpu().numpy()))
         self._counts[layer] += key_codes.shape[2]
         ready = min(self._counts)

@@ -23,12 +23,17 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kernels import BACKENDS, CodedCache, validate_coded_cache
 from model_adapters.caches.codes_attention import CODES_ATTENTION, LAYER_ATTR, use_codes_attention
+from model_adapters.caches.sharing import deepcopy_sharing
 from model_adapters.caches.window import check_window, crop_target
 from model_adapters.models import KVShape, kv_shape
 from model_adapters.quant.quantizer import KVQuantizer
-from model_adapters.quant.rvq import decode
+from model_adapters.quant.rvq import check_codes, decode
 
-__all__ = ["CodesOnlyCache", "CodesOnlyLayer", "use_codes_attention"]
+__all__ = ["CodesOnlyCache", "CodesOnlyLayer", "NoDenseKeysError", "use_codes_attention"]
+
+
+class NoDenseKeysError(RuntimeError):
+    """A codes-only layer's ``keys``/``values`` were read: it holds no dense K/V tensor."""
 
 
 def _grow(buf: torch.Tensor, used: int, extra: int) -> torch.Tensor:
@@ -53,6 +58,22 @@ class CodesOnlyLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
     is_croppable = True
+
+    # transformers' DynamicLayer keeps every position in ``keys``/``values``; this layer has no
+    # such tensor, and a partial one (the exact tail) would be read as the whole cache
+    def _no_dense(self):
+        raise NoDenseKeysError(
+            f"codes-only layer {self.layer_idx} holds no dense keys/values ({self.length} "
+            "positions, most of them codes); call layer.dense() for every position's K and V "
+            "(archived ones reconstructed)"
+        )
+
+    def _set_dense(self, value) -> None:
+        if value is not None:  # CacheLayerMixin.__init__ sets None; nothing else may set them
+            raise NoDenseKeysError(f"codes-only layer {self.layer_idx} takes no dense keys/values")
+
+    keys = property(_no_dense, _set_dense)
+    values = property(_no_dense, _set_dense)
 
     def __init__(self, layer_idx: int, cache: CodesOnlyCache):
         super().__init__()
@@ -79,7 +100,6 @@ class CodesOnlyLayer(CacheLayerMixin):
         self.value_codes = torch.zeros(
             b, h, 0, q.value_stages, dtype=q.code_dtype, device=self.device
         )
-        self.keys, self.values = self.tail_k, self.tail_v
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -97,7 +117,6 @@ class CodesOnlyLayer(CacheLayerMixin):
         end = self.length - recent
         if end - self.archived_end >= self.cache.block:
             self._archive(end)
-        self.keys, self.values = self.tail_k, self.tail_v
         # the layer rides on a fresh view so the attention function can find the codes
         keys = self.tail_k[:, :, self.archived_end - self.tail_start :]
         values = self.tail_v[:, :, self.archived_end - self.tail_start :]
@@ -188,9 +207,10 @@ class CodesOnlyLayer(CacheLayerMixin):
         q = self.cache.device_quantizer(self.device)
         n, cut = self.archived, self.archived_end - self.tail_start
         ks, vs = [self.head_k.to(dtype)], [self.head_v.to(dtype)]
-        if n:
-            ks.append(decode(self.key_codes[:, :, :n], q.key_codebooks[self.layer_idx], dtype))
-            vs.append(decode(self.value_codes[:, :, :n], q.value_codebooks[self.layer_idx], dtype))
+        if n:  # trusted: our encoder wrote the codes, or load_state checked them
+            kb, vb = q.key_codebooks[self.layer_idx], q.value_codebooks[self.layer_idx]
+            ks.append(decode(self.key_codes[:, :, :n], kb, dtype, trusted=True))
+            vs.append(decode(self.value_codes[:, :, :n], vb, dtype, trusted=True))
         ks.append(self.tail_k[:, :, cut:].to(dtype))
         vs.append(self.tail_v[:, :, cut:].to(dtype))
         return torch.cat(ks, 2), torch.cat(vs, 2)
@@ -206,7 +226,10 @@ class CodesOnlyLayer(CacheLayerMixin):
     ) -> None:
         """Install a saved state (resume): exact ``head`` ``(batch, kv_heads, <=sinks, d)``,
         ``codes`` ``(batch, kv_heads, archived, stages)`` per side, exact ``tail`` covering
-        positions ``[tail_start, length)``."""
+        positions ``[tail_start, length)``. ValueError for a code outside the codebooks (checked
+        here, once, so that decoding them later needs no check)."""
+        for c in codes:
+            check_codes(c, self.cache.quantizer.codebook_size)
         self.lazy_initialization(head[0], head[1])
         self.head_k, self.head_v = head
         self.key_codes, self.value_codes = codes
@@ -214,7 +237,6 @@ class CodesOnlyLayer(CacheLayerMixin):
         self.length = length
         self.archived_end = self.cache.sinks + codes[0].shape[2]
         self.tail_start = tail_start
-        self.keys, self.values = self.tail_k, self.tail_v
 
     # --- rewinding ----------------------------------------------------------------------------
     def crop_problem(self, length: int) -> str | None:
@@ -245,14 +267,12 @@ class CodesOnlyLayer(CacheLayerMixin):
             self.tail_start = sinks
         self.length = length
         self._trim_tail()
-        self.keys, self.values = self.tail_k, self.tail_v
 
     def crop(self, tokens_to_remove: int) -> None:
         self.cache.crop(tokens_to_remove)
 
     def reset(self) -> None:
         self.is_initialized = False
-        self.keys = self.values = None
         self.length = 0
         self.archived_end = self.tail_start = self.cache.sinks
 
@@ -262,7 +282,6 @@ class CodesOnlyLayer(CacheLayerMixin):
             return
         for name in ("head_k", "head_v", "tail_k", "tail_v", "key_codes", "value_codes"):
             setattr(self, name, fn(getattr(self, name)))
-        self.keys, self.values = self.tail_k, self.tail_v
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -369,12 +388,14 @@ class CodesOnlyCache(Cache):
         self.unread_layer: int | None = None
         super().__init__(layers=[CodesOnlyLayer(i, self) for i in range(shape.num_layers)])
 
+    def __deepcopy__(self, memo: dict) -> CodesOnlyCache:
+        """A copy with its own codes and exact K/V that shares the quantizer and its device
+        copies (codebooks, look-up tables)."""
+        return deepcopy_sharing(self, memo, [self.quantizer, *self._on_device.values()])
+
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if self.rows is not None and key_states.shape[0] != 1:
-            raise ValueError(
-                "a cache that hands codes to a rows collector or an archive needs batch size 1 "
-                f"(one row per token), got batch {key_states.shape[0]}"
-            )
+        if self.rows is not None:
+            self.rows.check_batch(key_states.shape[0])
         if self.unread_layer is not None:
             raise RuntimeError(
                 f"layer {self.unread_layer} of the codes-only cache was updated but attention "

@@ -14,7 +14,15 @@ import torch
 
 from model_adapters.quant.kmeans import assign, kmeans
 
-__all__ = ["StageTables", "code_dtype", "decode", "encode", "stage_tables", "train_rvq"]
+__all__ = [
+    "StageTables",
+    "check_codes",
+    "code_dtype",
+    "decode",
+    "encode",
+    "stage_tables",
+    "train_rvq",
+]
 
 
 def code_dtype(codebook_size: int) -> torch.dtype:
@@ -170,13 +178,31 @@ def encode(
     return codes_t.to(code_dtype(k)).contiguous(), recon.to(x.dtype).contiguous()
 
 
-def decode(codes: torch.Tensor, codebooks: torch.Tensor, dtype: torch.dtype = torch.float32):
+def check_codes(codes: torch.Tensor, codebook_size: int) -> None:
+    """ValueError unless every code lies in ``[0, codebook_size)``. Reads the range back to the
+    host (a device sync, a graph break under ``torch.compile``): call it where codes enter from
+    outside, not per decode."""
+    if codes.numel():
+        lo, hi = int(codes.min()), int(codes.max())
+        if lo < 0 or hi >= codebook_size:
+            raise ValueError(f"codes must lie in [0, {codebook_size}), got range [{lo}, {hi}]")
+
+
+def decode(
+    codes: torch.Tensor,
+    codebooks: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    *,
+    trusted: bool = False,
+):
     """Vectors from residual-VQ codes.
 
     Args:
         codes: ``(batch, kv_heads, seq, stages)`` integer, values below ``codebook_size``.
         codebooks: ``(kv_heads, stages, codebook_size, head_dim)`` float.
         dtype: dtype of the result.
+        trusted: skip :func:`check_codes` (its host sync): for codes this package's encoder
+            wrote or that were checked where they entered (the codes-only cache's).
 
     Returns:
         ``(batch, kv_heads, seq, head_dim)``: the sum over stages of the chosen centroids.
@@ -188,11 +214,9 @@ def decode(codes: torch.Tensor, codebooks: torch.Tensor, dtype: torch.dtype = to
             f"codes must be (batch, {heads}, seq, {stages}) to match codebooks "
             f"{tuple(codebooks.shape)}, got {tuple(codes.shape)}"
         )
+    if not trusted:
+        check_codes(codes, k)
     idx = codes.to(torch.int64)
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= k):
-        raise ValueError(
-            f"codes must lie in [0, {k}), got range [{int(idx.min())}, {int(idx.max())}]"
-        )
     batch, _, seq, _ = codes.shape
     cb = codebooks.to(device=codes.device, dtype=torch.float32)
     out = torch.zeros(heads, batch * seq, dim, device=codes.device)

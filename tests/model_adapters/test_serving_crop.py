@@ -10,6 +10,7 @@ from serving_fixtures import (
     step_logits,
 )
 
+from model_adapters.caches.archiving import ArchivingCache
 from model_adapters.caches.code_rows import CodeRows
 from model_adapters.caches.codes_only import CodesOnlyCache
 from model_adapters.models import cache_kwarg
@@ -18,17 +19,17 @@ IDS = torch.randint(2, 100, (2, 44), generator=torch.Generator().manual_seed(7))
 WINDOW = dict(sinks=2, recent=5, rewind=4)
 
 
-def run(model, cache, upto, start=0, prefill=12):
-    """Feed ``IDS[:, start:upto]`` (a prefill of ``prefill`` tokens first when start is 0)."""
+def run(model, cache, upto, start=0, prefill=12, ids=IDS):
+    """Feed ``ids[:, start:upto]`` (a prefill of ``prefill`` tokens first when start is 0)."""
     kw = cache_kwarg(model)
     out = []
     with torch.no_grad():
         first = start
         if start == 0:
-            out.append(model(IDS[:, :prefill], **{kw: cache}).logits)
+            out.append(model(ids[:, :prefill], **{kw: cache}).logits)
             first = prefill
         for t in range(first, upto):
-            out.append(model(IDS[:, t : t + 1], **{kw: cache}).logits)
+            out.append(model(ids[:, t : t + 1], **{kw: cache}).logits)
     return torch.cat(out, 1)
 
 
@@ -145,3 +146,69 @@ def test_crop_refuses_to_take_back_collected_rows():
     step_logits(model, short, one[:, :6], 6)  # nothing archived yet: nothing to take back
     short.crop(-2)
     assert short.get_seq_length() == 4 and short.rows.emitted == 0
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+@pytest.mark.parametrize("back", [1, 2, 5])
+def test_archiving_crop_then_continue_equals_fresh_run(arch, back):
+    # the archiving cache once left positions that a fresh run holds exact as reconstructions
+    ref, _ = model_pair(arch, torch.float64)
+    q = random_quantizer(ref)
+    cropped = ArchivingCache(ref, q, sinks=2, recent=5)
+    run(ref, cropped, 30)
+    cropped.crop(-back)
+    fresh = ArchivingCache(ref, q, sinks=2, recent=5)
+    run(ref, fresh, 30 - back)
+    assert cropped.get_seq_length() == 30 - back
+    got = run(ref, cropped, 44, start=30 - back)
+    want = run(ref, fresh, 44, start=30 - back)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert cropped.archived_tokens == fresh.archived_tokens == 44 - 2 - 5
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_archiving_crop_after_a_beam_reorder(arch):
+    # the exact copies a crop restores follow the batch order, like keys and values
+    ref, _ = model_pair(arch, torch.float64)
+    q = random_quantizer(ref)
+    cache = ArchivingCache(ref, q, sinks=2, recent=5)
+    run(ref, cache, 30)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    cache.crop(-4)
+    fresh = ArchivingCache(ref, q, sinks=2, recent=5)
+    swapped = IDS.flip(0)
+    run(ref, fresh, 26, ids=swapped)
+    want = run(ref, fresh, 40, start=26, ids=swapped)
+    got = run(ref, cache, 40, start=26, ids=swapped)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_archiving_crop_refusals_change_nothing():
+    ref, _ = model_pair("qwen3", torch.float64)
+    q = random_quantizer(ref)
+    cache = ArchivingCache(ref, q, sinks=2, recent=5)
+    run(ref, cache, 30)
+    before = [(t.clone(), layer.archived_until) for layer in cache.layers for t in layer.keys]
+    # archived up to 25, exact copies of [20, 25): keep + 1 - 5 >= 20
+    with pytest.raises(ValueError, match="kept only from 20 .crop to at least 24, or to at most 2"):
+        cache.crop(-7)
+    after = [(t.clone(), layer.archived_until) for layer in cache.layers for t in layer.keys]
+    assert all(torch.equal(a, b) and x == y for (a, x), (b, y) in zip(before, after, strict=True))
+    cache.crop(-6)  # the oldest legal length: 24 = 20 + 5 - 1
+    assert cache.get_seq_length() == 24
+    sinks = [layer.keys[..., :2, :].clone() for layer in cache.layers]
+    cache.crop(2)  # into the sinks: nothing archived is left, nothing needs restoring
+    assert cache.get_seq_length() == 2 and cache.archived_tokens == 0
+    assert all(torch.equal(k, layer.keys) for k, layer in zip(sinks, cache.layers, strict=True))
+
+
+def test_archiving_crop_refuses_to_take_back_collected_rows():
+    ref, _ = model_pair("gpt2", torch.float64)
+    q = random_quantizer(ref)
+    cache = ArchivingCache(ref, q, sinks=2, recent=5, rows=CodeRows(2))
+    step_logits(ref, cache, IDS[:1, :20], 12)
+    with pytest.raises(ValueError, match="rows collector"):
+        cache.crop(-2)
+    assert cache.get_seq_length() == 20 and cache.archived_tokens == 20 - 7
+    cache.crop(-1)  # the next step archives that position again: nothing to take back
+    assert cache.get_seq_length() == 19 and cache.rows.emitted == 13

@@ -1,0 +1,125 @@
+"""Both caches keep transformers' Cache contract: no partial tensors, no half-updated steps,
+copies that share the codebooks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from adapters_fixtures import torch
+from serving_fixtures import model_pair, random_quantizer, step_logits
+
+from model_adapters.caches.archiving import ArchivingCache
+from model_adapters.caches.code_rows import CodeRows
+from model_adapters.caches.codes_only import CodesOnlyCache, NoDenseKeysError
+from model_adapters.models import cache_kwarg
+from model_adapters.quant.rvq import decode
+
+IDS = torch.randint(2, 100, (2, 30), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_codes_only_layer_has_no_partial_keys(arch):
+    ref, model = model_pair(arch, torch.float64)
+    cache = CodesOnlyCache(model, random_quantizer(ref), sinks=2, recent=5, rewind=3)
+    step_logits(model, cache, IDS, 12)
+    for layer in cache.layers:
+        with pytest.raises(NoDenseKeysError, match=r"layer\.dense\(\)"):
+            layer.keys  # noqa: B018 (the read is the test)
+        with pytest.raises(NoDenseKeysError, match="30 positions"):
+            layer.values  # noqa: B018
+        with pytest.raises(NoDenseKeysError):
+            layer.keys = torch.zeros(1)
+        k, v = layer.dense()
+        assert k.shape[-2] == v.shape[-2] == cache.get_seq_length() == 30
+    # transformers' own paths (mask sizes, seq length, crop, reorder) keep working without them
+    cache.crop(-2)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert cache.get_mask_sizes(1, 0) == (29, 0)
+    with torch.no_grad():
+        model(IDS[:, 28:29], **{cache_kwarg(model): cache})
+    assert cache.get_seq_length() == 29
+
+
+def lengths(cache):
+    return [layer.get_seq_length() for layer in cache.layers]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_archiving_rows_refuse_a_batch_before_any_layer_changes(arch):
+    ref, _ = model_pair(arch)
+    cache = ArchivingCache(ref, random_quantizer(ref), sinks=1, recent=2, rows=CodeRows(2))
+    kw = cache_kwarg(ref)
+    with pytest.raises(ValueError, match="batch size 1"), torch.no_grad():
+        ref(IDS[:, :8], **{kw: cache})  # archives in every layer: once failed in layer 0 only
+    assert lengths(cache) == [0, 0]
+    with torch.no_grad():
+        ref(IDS[:1, :8], **{kw: cache})
+    with pytest.raises(ValueError, match="got batch 3"):
+        cache.batch_repeat_interleave(3)  # num_return_sequences after a prefill
+    with pytest.raises(ValueError, match="batch size 1"), torch.no_grad():
+        ref(IDS[:, 8:9], **{kw: cache})
+    assert lengths(cache) == [8, 8] and cache.rows.emitted == 5
+    with pytest.raises(ValueError, match="batch size 1"), torch.no_grad():
+        ref.generate(IDS[:1, :8], max_new_tokens=3, num_beams=2, do_sample=False,
+                     pad_token_id=0, **{kw: ArchivingCache(ref, random_quantizer(ref), sinks=1,
+                                                            recent=2, rows=CodeRows(2))})
+    # without codebooks nothing is archived, so nothing is collected: any batch runs
+    exact = ArchivingCache(ref, None, sinks=1, recent=2, rows=CodeRows(2))
+    with torch.no_grad():
+        ref(IDS[:, :8], **{kw: exact})
+    assert lengths(exact) == [8, 8]
+
+
+@pytest.mark.parametrize("kind", ["archiving", "codes_only"])
+def test_copies_share_the_codebooks_and_compute_the_same(kind):
+    ref, model = model_pair("qwen3", torch.float64)
+    q = random_quantizer(ref)
+    if kind == "archiving":
+        model, cache = ref, ArchivingCache(ref, q, sinks=2, recent=5)
+    else:
+        cache = CodesOnlyCache(model, q, sinks=2, recent=5)
+    step_logits(model, cache, IDS[:, :20], 12)
+    a, b = copy.deepcopy(cache), copy.deepcopy(cache)
+    for c in (a, b):
+        assert c.quantizer is q
+        assert c.quantizer.key_codebooks.data_ptr() == q.key_codebooks.data_ptr()
+        assert all(la.quantizer is q for la in c.layers) if kind == "archiving" else True
+    # the K/V and codes are the copies' own: running one leaves the other and the source alone
+    got_a = step_logits(model, a, IDS[:, 20:], 1)
+    assert cache.get_seq_length() == b.get_seq_length() == 20
+    got_b = step_logits(model, b, IDS[:, 20:], 1)
+    want = step_logits(model, cache, IDS[:, 20:], 1)
+    torch.testing.assert_close(got_a, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_b, want, rtol=0, atol=0)
+
+
+def test_a_decode_chunk_compiles_without_graph_breaks_from_our_code():
+    # the range check of rvq.decode read codes back to the host: 20 graph breaks per chunk
+    _, model = model_pair("qwen3")
+    cache = CodesOnlyCache(model, random_quantizer(model), sinks=2, recent=4)
+    kw = cache_kwarg(model)
+    with torch.no_grad():
+        model(IDS[:1, :20], **{kw: cache})
+        assert cache.archived_tokens == 14
+        explained = torch._dynamo.explain(lambda x: model(x, **{kw: cache}).logits)(IDS[:1, 20:24])
+    ours = [
+        str(b.reason).splitlines()[0]
+        for b in explained.break_reasons
+        if any("model_adapters" in f.filename or "kernels" in f.filename for f in b.user_stack)
+    ]
+    assert ours == []
+    assert cache.get_seq_length() == 24
+
+
+def test_codes_from_outside_are_checked_where_they_enter():
+    _, model = model_pair("gpt2")
+    cache = CodesOnlyCache(model, random_quantizer(model), sinks=2, recent=4)
+    layer = cache.layers[0]
+    exact = torch.zeros(1, 4, 2, 16)
+    bad = torch.full((1, 4, 3, 2), 16, dtype=torch.uint8)  # 16 codewords: 16 is out of range
+    with pytest.raises(ValueError, match=r"codes must lie in \[0, 16\), got range \[16, 16\]"):
+        layer.load_state((exact, exact), (bad, bad), (exact, exact), length=7, tail_start=5)
+    assert not layer.is_initialized
+    with pytest.raises(ValueError, match=r"codes must lie in \[0, 16\)"):
+        decode(bad, cache.quantizer.key_codebooks[0])  # untrusted callers keep the check
