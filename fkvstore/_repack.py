@@ -56,7 +56,10 @@ def _plan(src: h5py.File) -> tuple[list[str], list[str], list[str]]:
             return None
         if isinstance(obj, h5py.Group):
             groups.append(name)
-        elif name.endswith("/" + layout.POINTS) or obj.id.get_storage_size() > SMALL_BYTES:
+            return None
+        parent, _, leaf = name.rpartition("/")
+        layout.child(src[parent or "/"], leaf)  # refuses virtual and externally stored data
+        if name.endswith("/" + layout.POINTS) or obj.id.get_storage_size() > SMALL_BYTES:
             large.append(name)
         else:
             small.append(name)

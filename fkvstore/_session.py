@@ -36,6 +36,7 @@ from typing import NamedTuple
 import h5py
 
 from fkvstore import _remote, layout
+from fkvstore._hdf5 import open_swmr_reader
 from fkvstore._lock import WriterLock
 from fkvstore._superblock import clear_status_flags, open_cleared_view, read_superblock
 from fkvstore.errors import (
@@ -355,7 +356,7 @@ def _open_reader(path: str) -> h5py.File:
     for delay in (0.0, 0.01, 0.05, 0.2, 0.5):
         time.sleep(delay)
         try:
-            f = _h5_open(path, "r", swmr=True)
+            f = open_swmr_reader(path, LIBVER)
             break
         except (OSError, RuntimeError) as exc:
             last = exc

@@ -62,7 +62,8 @@ class StoredPoints:
 
     # -- binding to the file ---------------------------------------------------------------------
     def bind(self, group: h5py.Group) -> None:
-        self._bound = _Datasets(group[layout.POINTS], group[layout.TAIL], group[layout.BLOCK_CRC])
+        self._bound = _Datasets(*(layout.dataset(group, n)
+                                  for n in (layout.POINTS, layout.TAIL, layout.BLOCK_CRC)))
 
     def detach(self) -> None:
         self._bound = None
@@ -333,15 +334,22 @@ def read_commit_checked(points: h5py.Dataset, span: int, after_read=None) -> Com
         c = layout.read_commit(points)
     except FkvError:
         raise
-    except (OSError, KeyError) as exc:
+    except (OSError, KeyError, ValueError, TypeError) as exc:
         raise ArchiveFormatError(f"{points.name}: commit record unreadable ({exc})") from exc
     if after_read is not None:
         after_read()
-    if (
-        c.length != c.full_spans * span + c.tail_count
-        or c.tail_count >= span
-        or c.tail_slot > 1
-        or points.shape[0] < c.full_spans
-    ):
-        raise ArchiveFormatError(f"{points.name}: commit record {c} is inconsistent; damaged file")
+    problem = None
+    if c.length >= 1 << 62:  # positions are int64 everywhere; no real stream comes near
+        problem = f"length={c.length} is beyond any stream"
+    elif c.length != c.full_spans * span + c.tail_count or c.tail_count >= span:
+        problem = (f"length={c.length} is not full_spans={c.full_spans} spans of {span} plus "
+                   f"tail_count={c.tail_count} < {span}")
+    elif c.tail_slot > 1:
+        problem = f"tail_slot={c.tail_slot} is not 0 or 1"
+    elif points.shape[0] < c.full_spans:
+        problem = f"full_spans={c.full_spans} exceeds the {points.shape[0]} rows of points"
+    if problem is not None:
+        raise ArchiveFormatError(
+            f"{points.name}: commit record {c} is inconsistent ({problem}); damaged file"
+        )
     return c

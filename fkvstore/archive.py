@@ -22,6 +22,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 
+import h5py
 import numpy as np
 
 from fkvstore import _remote, _repack, _validate, layout
@@ -216,12 +217,12 @@ class Archive:
         if s is not None:
             return s
         try:
-            found = isinstance(name, str) and name in f[layout.STREAMS]
+            group = layout.child(f[layout.STREAMS], name) if isinstance(name, str) else None
         except FkvError:
             raise
         except (OSError, RuntimeError, KeyError) as exc:
             raise ArchiveFormatError(f"{self.path!r} is damaged: {exc}") from exc
-        if not found:
+        if group is None:
             if isinstance(name, str) and name in self.array_names():
                 raise StreamNotFoundError(
                     f"{name!r} in {self.path!r} is an array, not a stream: read it with "
@@ -232,7 +233,7 @@ class Archive:
                 "create_stream()"
             )
         try:
-            info = layout.read_stream_info(f[layout.STREAMS][name])
+            info = layout.read_stream_info(group)
             cls = TextStream if info.kind == "text" else Stream
             s = cls(self._session, name, layout.stream_path(name), info,
                     cache_bytes=self.cache_bytes, spill_symbols=self.spill_symbols)
@@ -246,7 +247,7 @@ class Archive:
         return s
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self._session.h5[layout.STREAMS]
+        return isinstance(name, str) and layout.has_link(self._session.h5[layout.STREAMS], name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._session.h5[layout.STREAMS].keys()))
@@ -290,10 +291,14 @@ class Archive:
 
     def _array_dataset(self, name: str):
         g = self._session.h5[layout.ARRAYS]
-        if not isinstance(name, str) or name not in g:
+        ds = layout.child(g, name) if isinstance(name, str) else None
+        if ds is None:
             known = ", ".join(map(repr, g.keys())) or "none"
             raise StreamNotFoundError(f"no array {name!r} in {self.path!r} (arrays: {known})")
-        return g[name]
+        if not isinstance(ds, h5py.Dataset):
+            raise ArchiveFormatError(
+                f"{self.path!r}: array {name!r} is not a dataset; the file is damaged")
+        return ds
 
     def array_names(self) -> list[str]:
         """Names of the auxiliary arrays."""

@@ -12,6 +12,7 @@ __all__ = [
     "InvalidPointError",
     "ArchiveClosedError",
     "ArchiveFormatError",
+    "ArchiveLinkError",
     "ArchiveLockedError",
     "ChecksumError",
     "StreamNotFoundError",
@@ -40,6 +41,12 @@ class ArchiveClosedError(FkvError, ValueError):
 
 class ArchiveFormatError(FkvError, ValueError):
     """A file that is not an fkvstore archive, or one written by an unknown format version."""
+
+
+class ArchiveLinkError(ArchiveFormatError):
+    """An object of the archive is a link (external or soft), a virtual dataset or a dataset
+    with external raw storage: fkvstore never follows these, so that a file cannot make it read
+    (or write) anything outside itself."""
 
 
 class ArchiveLockedError(FkvError, OSError):

@@ -26,7 +26,7 @@ from dataclasses import astuple, dataclass
 import h5py
 import numpy as np
 
-from fkvstore.errors import ArchiveFormatError
+from fkvstore.errors import ArchiveFormatError, ArchiveLinkError
 
 __all__ = [
     "ARRAYS",
@@ -43,6 +43,9 @@ __all__ = [
     "StreamInfo",
     "block_spans_for",
     "checksum",
+    "child",
+    "dataset",
+    "has_link",
     "create_stream_group",
     "finished_names",
     "get_checked_array",
@@ -155,8 +158,59 @@ def create_stream_group(
     return g
 
 
+def child(group: h5py.Group, name: str) -> h5py.Group | h5py.Dataset | None:
+    """Object ``name`` of ``group``, or None when there is none; ArchiveLinkError when it is a
+    soft or external link, a virtual dataset or a dataset with external raw storage.
+
+    The link is inspected before it is followed: an external link would open another file
+    (even ``name in group`` does), a virtual dataset or external storage reads other files'
+    bytes. An archive written by fkvstore holds none of these."""
+    if "/" in name:  # a path: its leading parts would be resolved unchecked
+        return None
+    where = f"{group.name.rstrip('/')}/{name}"
+    link = group.get(name, getlink=True)
+    if link is None:
+        return None
+    if not isinstance(link, h5py.HardLink):
+        raise ArchiveLinkError(
+            f"{where!r} is a {type(link).__name__}: fkvstore archives hold no links, and "
+            "fkvstore does not follow them (a link can point outside the file)"
+        )
+    obj = group[name]
+    if isinstance(obj, h5py.Dataset) and (obj.is_virtual or obj.external):
+        what = "a virtual dataset" if obj.is_virtual else "stored in external files"
+        raise ArchiveLinkError(
+            f"dataset {where!r} is {what}: fkvstore reads only data inside the archive file"
+        )
+    return obj
+
+
+def has_link(group: h5py.Group, name: str) -> bool:
+    """Whether ``group`` has a member ``name``, without following it (``name in group``
+    resolves an external link, opening the file it names)."""
+    return "/" not in name and group.get(name, getlink=True) is not None
+
+
+def dataset(g: h5py.Group, name: str) -> h5py.Dataset:
+    """Dataset ``name`` of ``g`` (see :func:`child`); ArchiveFormatError when there is none."""
+    obj = child(g, name)
+    if not isinstance(obj, h5py.Dataset):
+        raise ArchiveFormatError(
+            f"stream group {g.name!r} is incomplete or damaged (no dataset {name!r}); the "
+            "archive was not written by a compatible fkvstore"
+        )
+    return obj
+
+
+def _unfiltered_chunks(ds: h5py.Dataset, chunks: tuple[int, ...]) -> bool:
+    return ds.chunks == chunks and ds.id.get_create_plist().get_nfilters() == 0
+
+
 def read_stream_info(g: h5py.Group) -> StreamInfo:
-    """The description of the stream in group ``g``; ArchiveFormatError when it is incomplete."""
+    """The description of the stream in group ``g``; ArchiveFormatError when it is incomplete,
+    or when an attribute that decides a size disagrees with the datasets: the readers trust
+    ``fkv_width`` and ``fkv_block_spans`` when they lay out raw chunk bytes, so a mismatch
+    would make them read or write past a buffer."""
     try:
         info = StreamInfo(
             kind=str(g.attrs["fkv_kind"]),
@@ -164,18 +218,46 @@ def read_stream_info(g: h5py.Group) -> StreamInfo:
             width=int(g.attrs["fkv_width"]),
             block_spans=int(g.attrs["fkv_block_spans"]),
         )
-        for ds in (POINTS, TAIL, BLOCK_CRC):
-            g[ds]
     except (KeyError, ValueError, TypeError) as exc:
         raise ArchiveFormatError(
             f"stream group {g.name!r} is incomplete or damaged ({exc}); the archive was not "
             "written by a compatible fkvstore"
         ) from exc
+    points, tail, crc = (dataset(g, n) for n in (POINTS, TAIL, BLOCK_CRC))
+    W, B = info.width, info.block_spans
+    problem = None
+    if info.kind not in ("symbols", "text"):
+        problem = f"fkv_kind={info.kind!r} is neither 'symbols' nor 'text'"
+    elif W < 1:
+        problem = f"fkv_width={W} is not positive"
+    elif B < 1 or B & (B - 1):
+        problem = f"fkv_block_spans={B} is not a power of two"
+    elif points.dtype != POINT_DTYPE or points.ndim != 3 or points.shape[1:] != (W, 2):
+        problem = (f"fkv_width={W} disagrees with points of shape {points.shape} and dtype "
+                   f"{points.dtype} (expected (spans, {W}, 2) {POINT_DTYPE})")
+    elif not _unfiltered_chunks(points, (B, W, 2)):
+        problem = (f"fkv_block_spans={B} and fkv_width={W} disagree with the chunks "
+                   f"{points.chunks} of points (expected ({B}, {W}, 2), no filters)")
+    elif (tail.dtype != POINT_DTYPE or tail.shape != (2, W, 2)
+          or not _unfiltered_chunks(tail, (1, W, 2))):
+        problem = (f"fkv_width={W} disagrees with tail of shape {tail.shape}, dtype "
+                   f"{tail.dtype}, chunks {tail.chunks} (expected (2, {W}, 2) {POINT_DTYPE} "
+                   f"in (1, {W}, 2) chunks, no filters)")
+    elif crc.dtype != CRC_DTYPE or crc.ndim != 1:
+        problem = (f"block_crc has shape {crc.shape} and dtype {crc.dtype}, expected (K,) "
+                   f"{CRC_DTYPE}")
+    if problem is not None:
+        raise ArchiveFormatError(f"stream group {g.name!r} is damaged: {problem}")
     return info
 
 
 def read_commit(points: h5py.Dataset) -> Commit:
-    raw = np.asarray(points.attrs[COMMIT_ATTR], dtype=np.uint64)
+    stored = np.asarray(points.attrs[COMMIT_ATTR])
+    if stored.dtype.kind not in "iu":
+        raise ArchiveFormatError(
+            f"{points.name}: commit record has dtype {stored.dtype}, expected {np.dtype('<u8')}"
+        )
+    raw = stored.astype(np.uint64)
     if raw.shape != (len(COMMIT_FIELDS),):
         raise ArchiveFormatError(
             f"{points.name}: commit record has shape {raw.shape}, expected ({len(COMMIT_FIELDS)},)"
@@ -232,7 +314,7 @@ def check_format(f: h5py.File, path: str | os.PathLike) -> None:
             f"{os.fspath(path)!r} uses archive format version {version}; this fkvstore reads "
             f"versions up to {FORMAT_VERSION}: upgrade fkvstore"
         )
-    if version < 1 or STREAMS not in f or ARRAYS not in f:
+    if version < 1 or not all(isinstance(child(f, g), h5py.Group) for g in (STREAMS, ARRAYS)):
         raise ArchiveFormatError(f"{os.fspath(path)!r}: archive layout incomplete or damaged")
 
 
@@ -258,7 +340,7 @@ def put_checked_array(group: h5py.Group, name: str, arr: np.ndarray,
     ``UNFINISHED_PREFIX + name`` and then renamed, so a failure (an attribute HDF5 cannot
     store, a full disk, a killed process) leaves the previous dataset and no partial one."""
     tmp = UNFINISHED_PREFIX + name
-    if tmp in group:
+    if has_link(group, tmp):
         del group[tmp]
     try:
         ds = group.create_dataset(tmp, data=arr)
@@ -266,10 +348,10 @@ def put_checked_array(group: h5py.Group, name: str, arr: np.ndarray,
         for k, v in (attrs or {}).items():
             ds.attrs[k] = v
     except BaseException:
-        if tmp in group:
+        if has_link(group, tmp):
             del group[tmp]
         raise
-    if name in group:
+    if has_link(group, name):
         del group[name]
     group.move(tmp, name)
     return group[name]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from functools import partial
 
+import h5py
 import numpy as np
 
 from fkvstore import _validate, layout
@@ -22,6 +23,7 @@ from fkvstore.codec import Codec
 from fkvstore.codec._kernels import grid_decode as _grid_decode
 from fkvstore.errors import (
     ArchiveClosedError,
+    ArchiveFormatError,
     ArchiveLockedError,
     ChecksumError,
     InvalidPointError,
@@ -42,6 +44,26 @@ def _symbol_dtype(alphabet_size: int) -> np.dtype:
     if alphabet_size <= 1 << 16:
         return np.dtype(np.uint16)
     return np.dtype(np.int32)
+
+
+def _stored_codec(group_path: str, info: layout.StreamInfo) -> Codec:
+    """The codec a stream group's ``fkv_codec`` describes; ArchiveFormatError when it is no
+    valid codec (a span beyond what its alphabet and geometry allow, ...) or, for a text
+    stream, not UTF-8 bytes (alphabet 256, width 1, grid)."""
+    try:
+        codec = Codec.from_config(info.codec_config)
+    except (ValueError, TypeError) as exc:
+        raise ArchiveFormatError(
+            f"stream group {group_path!r} is damaged: fkv_codec={info.codec_config!r} is not a "
+            f"valid codec ({exc})"
+        ) from exc
+    text = (codec.alphabet_size, codec.geometry, info.width) == (256, "grid", 1)
+    if info.kind == "text" and not text:
+        raise ArchiveFormatError(
+            f"stream group {group_path!r} is damaged: a text stream has alphabet 256, grid "
+            f"geometry and width 1, not fkv_codec={info.codec_config!r}, fkv_width={info.width}"
+        )
+    return codec
 
 
 class Stream(SearchMixin):
@@ -66,7 +88,7 @@ class Stream(SearchMixin):
         self._spill_symbols = spill_symbols
         self.name = name
         self.kind = info.kind
-        self.codec = Codec.from_config(info.codec_config)
+        self.codec = _stored_codec(group_path, info)
         self.width = info.width
         self.alphabet_size = self.codec.alphabet_size
         self.span = self.codec.span
@@ -460,23 +482,27 @@ class Stream(SearchMixin):
         # state (seen with h5py 3.16), beyond what the unfinished-name write can undo
         check_attrs_storable(attrs, f"aux array {key!r}")
         with self._session.structural():
-            g = self._session.h5[self._group_path].require_group(layout.AUX)
+            group = self._session.h5[self._group_path]
+            g = layout.child(group, layout.AUX) or group.create_group(layout.AUX)
             layout.put_checked_array(g, key, arr, attrs)
 
     def get_aux_array(self, key: str) -> tuple[np.ndarray, dict]:
         """The array stored under ``key`` and its attributes (CRC-checked)."""
         self._check_open()
-        g = self._session.h5[self._group_path]
-        if layout.AUX not in g or key not in g[layout.AUX]:
+        aux = layout.child(self._session.h5[self._group_path], layout.AUX)
+        is_group = isinstance(aux, h5py.Group)
+        ds = layout.child(aux, key) if is_group and isinstance(key, str) else None
+        if ds is None:
             raise StreamNotFoundError(f"stream {self.name!r} has no aux array {key!r}")
-        ds = g[layout.AUX][key]
+        if not isinstance(ds, h5py.Dataset):
+            raise ArchiveFormatError(f"stream {self.name!r}: aux {key!r} is not a dataset")
         attrs = {k: v for k, v in ds.attrs.items() if not k.startswith(layout.RESERVED_PREFIX)}
         return layout.get_checked_array(ds), attrs
 
     def aux_array_names(self) -> list[str]:
         self._check_open()
-        g = self._session.h5[self._group_path]
-        return layout.finished_names(g[layout.AUX]) if layout.AUX in g else []
+        aux = layout.child(self._session.h5[self._group_path], layout.AUX)
+        return layout.finished_names(aux) if isinstance(aux, h5py.Group) else []
 
 
 class TextStream(Stream):

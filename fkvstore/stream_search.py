@@ -7,9 +7,14 @@ current lazily: appended rows are added to the index (O(log n) amortised each) t
 query runs, a truncation cuts the index back at once, and a reader that sees a writer rewind
 drops its indexes. ``build_index(persist=True)`` stores the index beside the stream as plain
 arrays (``aux/search_<column>_<walk|trees|nodes|indices|boxes>``; docs/format.md), so reopening
-a large archive restores the KD-trees instead of rebuilding them. The stored arrays share one
+a large archive restores the walk instead of recomputing it. The stored arrays share one
 tag (build id, committed length, generation, rewind count); a stale, torn or damaged stored index
 is ignored and rebuilt, since it is derived data.
+
+The KD-trees are rebuilt from the stored walk points on load unless the stream's
+``trust_index`` is set: their node bytes are scipy's in-memory records, which scipy follows as
+pointers, so a crafted file could make it touch arbitrary memory. Trusted node bytes are still
+checked (:mod:`fkvstore.index._tree_state`) before use; see docs/search.md.
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ class SearchMixin:
     """Suffix search over one column of a stream (see docs/search.md)."""
 
     _search_indexes: dict[int, SuffixIndex]
+    #: restore a persisted index's KD-trees from their stored node bytes (checked, but the
+    #: bytes of scipy's own records) instead of rebuilding them from the walk points; set it
+    #: before the first query, on archives you wrote yourself (docs/search.md)
+    trust_index: bool = False
     # the rest is Stream's, which this class is mixed into (declared for the type checker)
     name: str
     width: int
@@ -166,7 +175,8 @@ class SearchMixin:
         saved = self._saved_index_state(column)
         if saved is not None:
             state, tree_format = saved
-            return SuffixIndex.from_state(self.codec, symbols, state, tree_format)
+            return SuffixIndex.from_state(self.codec, symbols, state,
+                                          tree_format if self.trust_index else "")
         return SuffixIndex.build(self.codec, symbols)
 
     def _saved_index_state(self, column: int):
@@ -195,7 +205,8 @@ class SearchMixin:
             raise
         except (ChecksumError, ArchiveFormatError, OSError):  # damaged: derived data, rebuild
             return None
-        if tag is None or state["walk"].shape != (tag.length, 2):  # tag: set by the loop
+        if (tag is None or state["walk"].shape != (tag.length, 2)  # tag: set by the loop
+                or state["walk"].dtype.kind != "f" or not np.isfinite(state["walk"]).all()):
             return None
         return state, tag.tree_format
 

@@ -28,6 +28,7 @@ from fkvstore._validate import integer, raise_out_of_range, symbol_array
 from fkvstore.codec import Codec
 from fkvstore.errors import InvalidPointError
 from fkvstore.index import _kernels as _ik
+from fkvstore.index._tree_state import stored_trees_valid
 
 __all__ = ["TREE_FORMAT", "SuffixIndex"]
 
@@ -154,13 +155,17 @@ class SuffixIndex:
                    tree_format: str) -> SuffixIndex:
         """Rebuild an index from :meth:`state` arrays and the stream's symbols ``(n,)`` (n at
         least the persisted length). The KD-trees are restored without rebuilding when
-        ``tree_format`` equals this machine's :data:`TREE_FORMAT`; otherwise rebuilt."""
+        ``tree_format`` equals this machine's :data:`TREE_FORMAT` and the stored trees pass
+        their checks (shapes, ranges, point orders, node links); otherwise rebuilt from the
+        walk. Pass ``tree_format=""`` to always rebuild."""
         arr = symbol_array(symbols, codec.alphabet_size, ndim=(1,))
         walk = np.asarray(state["walk"], dtype=np.float64)
         n = walk.shape[0]
         if walk.ndim != 2 or walk.shape[1] != 2 or n > arr.shape[0]:
             raise ValueError(f"persisted walk of shape {walk.shape} does not fit a stream of "
                              f"{arr.shape[0]} positions")
+        if not np.isfinite(walk).all():
+            raise ValueError("persisted walk holds non-finite points")
         index = cls(codec)
         index._append(arr[:n], walk)
         trees = np.asarray(state["trees"], dtype=np.int64)
@@ -172,14 +177,13 @@ class SuffixIndex:
         return index
 
     def _restore_trees(self, trees: np.ndarray, state) -> bool:
+        """Restore the KD-trees from their node bytes if every array checks out (see
+        :mod:`fkvstore.index._tree_state`: scipy would follow bad links into memory)."""
         nodes, indices, boxes = state["nodes"], state["indices"], state["boxes"]
-        bounds_ok = (trees.ndim == 2 and trees.shape[1] == 4 and boxes.shape == (len(trees), 4)
-                     and (len(trees) == 0 or (trees[0, 0] == 0 and np.all(trees[1:, 0] ==
-                                                                         trees[:-1, 1])))
-                     and int((trees[:, 1] - trees[:, 0]).sum()) == indices.shape[0]
-                     and (len(trees) == 0 or int(trees[-1, 1]) <= self._length)
-                     and int(trees[:, 3].sum()) == nodes.shape[0])
-        if not bounds_ok:
+        nodes = np.asarray(nodes, dtype=np.uint8)
+        indices = np.asarray(indices, dtype=np.int64)
+        boxes = np.asarray(boxes, dtype=np.float64)
+        if not stored_trees_valid(trees, nodes, indices, boxes, self._length):
             return False
         restored: list[cKDTree] = []
         pos = 0
