@@ -20,11 +20,10 @@ from kernels._fsq_plan import (
 )
 from kernels._validate import (
     ACTIVATION_DTYPES,
-    _exact_pair,
     _expect_dim,
-    _lengths,
     _scale,
     _tensor,
+    exact_segments,
 )
 from kernels.fsq_codes import fsq_unpack
 
@@ -158,28 +157,16 @@ def validate_fsq_args(query, codes, levels, key_decoder, value_decoder, *, key_b
     rope = _rope(rope, head_dim, device)
     limit = rope[0].shape[0] if isinstance(rope, tuple) else MAX_THETA_POSITION
     positions = _positions(positions, batch, codes.shape[1], limit, device, check_positions)
-    sink_keys, sink_values = _exact_pair("sink", sink_keys, sink_values, query, kv_heads)
-    recent_keys, recent_values = _exact_pair("recent", recent_keys, recent_values, query,
-                                             kv_heads)
-    sink_lengths, sink_host = _lengths("sink_lengths", sink_lengths, batch, sink_keys.shape[2],
-                                       device, check_lengths)
-    archived_lengths, archived_host = _lengths("archived_lengths", archived_lengths, batch,
-                                               codes.shape[1], device, check_lengths)
-    recent_lengths, recent_host = _lengths("recent_lengths", recent_lengths, batch,
-                                           recent_keys.shape[2], device, check_lengths)
-    hosts = (sink_host, archived_host, recent_host)
-    if all(h is not None for h in hosts):
-        total = sum(hosts)
-        total = [total] * batch if isinstance(total, int) else total.tolist()
-        empty = [i for i, n in enumerate(total) if n < 1]
-        if empty:
-            raise ValueError(f"sequences {empty} have no cached position at all (sink, "
-                             "archived and recent lengths are all 0)")
-        if positions is None and rope is not None:
-            top = int((torch.as_tensor(sink_host) + torch.as_tensor(archived_host)).max())
-            if top > limit:
-                raise ValueError(f"default positions (sink length + index) reach {top - 1}; "
-                                 f"the RoPE tables cover [0, {limit})")
+    (sink_keys, sink_values, recent_keys, recent_values, sink_lengths, archived_lengths,
+     recent_lengths, known) = exact_segments(
+        query, kv_heads, codes.shape[1], sink_keys, sink_values, recent_keys, recent_values,
+        sink_lengths, archived_lengths, recent_lengths, check_lengths)
+    if known is not None and positions is None and rope is not None:
+        sink_host, archived_host = known
+        top = int((torch.as_tensor(sink_host) + torch.as_tensor(archived_host)).max())
+        if top > limit:
+            raise ValueError(f"default positions (sink length + index) reach {top - 1}; "
+                             f"the RoPE tables cover [0, {limit})")
     return FsqProblem(
         query=query.contiguous(), codes=codes, levels=levels, key_decoder=key_decoder,
         value_decoder=value_decoder, key_bias=key_bias, value_bias=value_bias, k_norm=k_norm,

@@ -146,6 +146,40 @@ def _scale(scale, head_dim: int) -> float:
     return value
 
 
+def exact_segments(query, kv_heads: int, archived: int, sink_keys, sink_values, recent_keys,
+                   recent_values, sink_lengths, archived_lengths, recent_lengths,
+                   check_lengths: bool):
+    """The exact sink and recent segments and the three lengths of a decode call, checked
+    (shared by the RVQ and FSQ calls): ``(sink_keys, sink_values, recent_keys, recent_values,
+    sink_lengths, archived_lengths, recent_lengths, host_lengths)``, where ``host_lengths`` is
+    ``(sink, archived)`` on the host when known without a GPU read-back, else None. ValueError
+    when a sequence has nothing cached at all."""
+    batch = query.shape[0]
+    sink_keys, sink_values = _exact_pair("sink", sink_keys, sink_values, query, kv_heads)
+    recent_keys, recent_values = _exact_pair("recent", recent_keys, recent_values, query,
+                                             kv_heads)
+    device = query.device
+    sink_lengths, sink_host = _lengths("sink_lengths", sink_lengths, batch, sink_keys.shape[2],
+                                       device, check_lengths)
+    archived_lengths, archived_host = _lengths("archived_lengths", archived_lengths, batch,
+                                               archived, device, check_lengths)
+    recent_lengths, recent_host = _lengths("recent_lengths", recent_lengths, batch,
+                                           recent_keys.shape[2], device, check_lengths)
+    hosts = (sink_host, archived_host, recent_host)
+    known = None
+    if all(h is not None for h in hosts):
+        total = sum(hosts)  # an int when every length is the default, else a CPU tensor
+        total = [total] * batch if isinstance(total, int) else total.tolist()
+        empty = [i for i, n in enumerate(total) if n < 1]
+        if empty:
+            raise ValueError(f"sequences {empty} have no cached position at all (sink, "
+                             "archived and recent lengths are all 0); attention over nothing "
+                             "is undefined")
+        known = (sink_host, archived_host)
+    return (sink_keys, sink_values, recent_keys, recent_values, sink_lengths, archived_lengths,
+            recent_lengths, known)
+
+
 def validate_decode_args(
     query,
     key_codes,
@@ -192,25 +226,10 @@ def validate_decode_args(
         raise ValueError(f"key_codes {tuple(key_codes.shape)} and value_codes "
                          f"{tuple(value_codes.shape)} must hold the same number of positions "
                          "(dimension 2)")
-    sink_keys, sink_values = _exact_pair("sink", sink_keys, sink_values, query, kv_heads)
-    recent_keys, recent_values = _exact_pair("recent", recent_keys, recent_values, query,
-                                             kv_heads)
-    device = query.device
-    sink_lengths, sink_host = _lengths("sink_lengths", sink_lengths, batch, sink_keys.shape[2],
-                                       device, check_lengths)
-    archived_lengths, archived_host = _lengths("archived_lengths", archived_lengths, batch,
-                                               key_codes.shape[2], device, check_lengths)
-    recent_lengths, recent_host = _lengths("recent_lengths", recent_lengths, batch,
-                                           recent_keys.shape[2], device, check_lengths)
-    hosts = (sink_host, archived_host, recent_host)
-    if all(h is not None for h in hosts):
-        total = sum(hosts)  # an int when every length is the default, else a CPU tensor
-        total = [total] * batch if isinstance(total, int) else total.tolist()
-        empty = [i for i, n in enumerate(total) if n < 1]
-        if empty:
-            raise ValueError(f"sequences {empty} have no cached position at all (sink, "
-                             "archived and recent lengths are all 0); attention over nothing "
-                             "is undefined")
+    (sink_keys, sink_values, recent_keys, recent_values, sink_lengths, archived_lengths,
+     recent_lengths, _) = exact_segments(
+        query, kv_heads, key_codes.shape[2], sink_keys, sink_values, recent_keys, recent_values,
+        sink_lengths, archived_lengths, recent_lengths, check_lengths)
     scale = _scale(scale, head_dim)
     cache = CodedCache(
         key_codes=key_codes,

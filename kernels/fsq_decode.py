@@ -15,7 +15,7 @@ import torch
 from kernels._fsq_plan import FsqProblem, kernel_limit
 from kernels._fsq_validate import validate_fsq_args
 from kernels._validate import ACTIVATION_DTYPES, check_num_splits
-from kernels.rvq_decode import BACKENDS, triton_available
+from kernels.rvq_decode import BACKENDS, require_triton, triton_available
 
 
 def fsq_kernel_takes(problem: FsqProblem) -> bool:
@@ -120,7 +120,7 @@ def fsq_decode_attention(
 
 
 def decode_fsq_problem(problem: FsqProblem, *, backend: str = "auto",
-               num_splits: int | None = None) -> torch.Tensor:
+                       num_splits: int | None = None) -> torch.Tensor:
     """Decode attention of a trusted :class:`~kernels.FsqProblem`; ``(batch, q_heads,
     head_dim)`` in the query's dtype. ``backend`` and ``num_splits`` as in
     :func:`fsq_decode_attention`. The Triton path never waits for the GPU."""
@@ -136,14 +136,7 @@ def decode_fsq_problem(problem: FsqProblem, *, backend: str = "auto",
     reason = kernel_limit(problem)
     if reason is not None:
         raise ValueError(f"backend='triton': {reason}")
-    if not triton_available():
-        raise ValueError("backend='triton' needs the triton package (the 'gpu' extra)")
-    from kernels._common import interpreted
-
-    if not query.is_cuda and not interpreted():
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 from process start, "
-            f"Triton's CPU interpreter); the query is on {query.device}")
+    require_triton(query)
     from kernels import _fsq
 
     return _fsq.decode(problem, num_splits=num_splits)

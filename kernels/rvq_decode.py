@@ -156,6 +156,13 @@ def _run(problem: DecodeProblem, backend: str, num_splits: int | None) -> torch.
         from kernels import reference
 
         return reference.decode(problem).to(query.dtype)
+    require_triton(query)
+    return triton_decode(problem, num_splits=num_splits)
+
+
+def require_triton(query: torch.Tensor) -> None:
+    """ValueError unless a Triton kernel can run on ``query``'s device: triton installed, and
+    CUDA tensors or Triton's CPU interpreter (``TRITON_INTERPRET=1`` from process start)."""
     if not triton_available():
         raise ValueError("backend='triton' needs the triton package (the 'gpu' extra)")
     from kernels._common import interpreted
@@ -164,7 +171,6 @@ def _run(problem: DecodeProblem, backend: str, num_splits: int | None) -> torch.
         raise ValueError(
             f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 from process start, "
             f"Triton's CPU interpreter); the query is on {query.device}")
-    return triton_decode(problem, num_splits=num_splits)
 
 
 def triton_decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from kernels_cases import add_exact_parts
 
 QWEN3_THETA = 1_000_000.0
 
@@ -52,17 +53,9 @@ def make_fsq_case(*, batch=2, q_heads=4, kv_heads=2, head_dim=32, width=24, leve
         positions = positions + torch.arange(archived).repeat(batch, 1)
     if positions is not None:
         case["positions"] = positions.to(device)
-    if sinks is not None:
-        case["sink_keys"] = randn(batch, kv_heads, sinks, head_dim)
-        case["sink_values"] = randn(batch, kv_heads, sinks, head_dim)
-    if recent is not None:
-        case["recent_keys"] = randn(batch, kv_heads, recent, head_dim)
-        case["recent_values"] = randn(batch, kv_heads, recent, head_dim)
-    for name, value in (("archived_lengths", archived_lengths), ("sink_lengths", sink_lengths),
-                        ("recent_lengths", recent_lengths)):
-        if value is not None:
-            case[name] = torch.tensor(value, device=device)
-    return case
+    return add_exact_parts(case, randn, (batch, kv_heads, head_dim), sinks, recent, device,
+                           archived_lengths=archived_lengths, sink_lengths=sink_lengths,
+                           recent_lengths=recent_lengths)
 
 
 def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, *, rel=1e-2, max_abs=None):

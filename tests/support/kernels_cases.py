@@ -26,14 +26,20 @@ def make_case(*, batch=2, q_heads=4, kv_heads=2, head_dim=32, archived=40, key_s
         "key_codebooks": randn(kv_heads, key_stages, codebook_size, head_dim),
         "value_codebooks": randn(kv_heads, value_stages, codebook_size, head_dim),
     }
-    if sinks is not None:
-        case["sink_keys"] = randn(batch, kv_heads, sinks, head_dim)
-        case["sink_values"] = randn(batch, kv_heads, sinks, head_dim)
-    if recent is not None:
-        case["recent_keys"] = randn(batch, kv_heads, recent, head_dim)
-        case["recent_values"] = randn(batch, kv_heads, recent, head_dim)
-    for name, value in (("archived_lengths", archived_lengths), ("sink_lengths", sink_lengths),
-                        ("recent_lengths", recent_lengths)):
+    return add_exact_parts(case, randn, (batch, kv_heads, head_dim), sinks, recent, device,
+                           archived_lengths=archived_lengths, sink_lengths=sink_lengths,
+                           recent_lengths=recent_lengths)
+
+
+def add_exact_parts(case: dict, randn, dims, sinks, recent, device, **lengths) -> dict:
+    """Add random exact sinks and recents (``randn(*shape)``; ``dims`` = (batch, kv_heads,
+    head_dim); ``None`` leaves a segment out) and the given lengths to a case; returns it."""
+    batch, kv_heads, head_dim = dims
+    for seg, n in (("sink", sinks), ("recent", recent)):
+        if n is not None:
+            case[f"{seg}_keys"] = randn(batch, kv_heads, n, head_dim)
+            case[f"{seg}_values"] = randn(batch, kv_heads, n, head_dim)
+    for name, value in lengths.items():
         if value is not None:
             case[name] = torch.tensor(value, device=device)
     return case
