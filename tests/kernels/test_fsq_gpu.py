@@ -89,36 +89,24 @@ def _case():
                          positions=torch.arange(5000).repeat(2, 1) + 7, **QWEN3)
 
 
-def test_gpu_call_never_waits_for_the_gpu():
+def test_gpu_call_never_waits_for_the_gpu(no_gpu_sync):
     case = _case()
     lengths = torch.tensor([5000, 1234], device="cuda")
     expected = fsq_decode_attention(**case, archived_lengths=lengths)  # checked: reads back
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_gpu_sync():
         out = fsq_decode_attention(**case, archived_lengths=lengths, check_lengths=False,
                                    check_positions=False)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def test_gpu_call_replays_from_a_cuda_graph():
+def test_gpu_call_replays_from_a_cuda_graph(assert_graph_replays):
     case = _case()
 
     def call():
         return fsq_decode_attention(**case, backend="triton", check_positions=False)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()  # compiles and fills caches outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    for step in range(2):  # new query and cache contents, same tensors
+    def refill():  # new query and cache contents, same tensors
         case["query"].copy_(torch.randn_like(case["query"]))
         case["codes"].copy_(torch.randint_like(case["codes"], 256))
-        graph.replay()
-        torch.testing.assert_close(out, call(), rtol=0, atol=0, msg=f"replay {step}")
+
+    assert_graph_replays(call, refill)

@@ -92,25 +92,17 @@ def test_gpu_call_never_waits_for_the_gpu(no_gpu_sync):
     torch.testing.assert_close(default, rvq_decode_attention(**case), rtol=0, atol=0)
 
 
-def test_gpu_call_replays_from_a_cuda_graph():
+def test_gpu_call_replays_from_a_cuda_graph(assert_graph_replays):
     case = _coded_case()
 
     def call():
         return rvq_decode_attention(**case, backend="triton", check_codes=False)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()  # compiles and fills caches outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    for step in range(2):  # new query and cache contents, same tensors
+    def refill():  # new query and cache contents, same tensors
         case["query"].copy_(torch.randn_like(case["query"]))
         case["value_codes"].copy_(torch.randint_like(case["value_codes"], 256))
-        graph.replay()
-        torch.testing.assert_close(out, call(), rtol=0, atol=0, msg=f"replay {step}")
+
+    assert_graph_replays(call, refill)
 
 
 def test_gpu_trusted_path_runs_the_kernel_without_waiting(no_gpu_sync):
