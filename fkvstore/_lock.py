@@ -59,6 +59,11 @@ class WriterLock:
                 "mode 'r' to read it while that writer runs, or close the other writer first"
             ) from None
 
+    def fsync(self) -> None:
+        """fsync the locked file (any descriptor of a file flushes all of its written pages)."""
+        if self._fd is not None:
+            os.fsync(self._fd)
+
     def release(self) -> None:
         if self._fd is not None:
             self._finalizer()  # closing the descriptor drops the flock

@@ -13,12 +13,16 @@ only through its small interface:
 ``bind(group_path, ...)`` / ``unbind(group_path)``
     register a stream: it gets its group again whenever ``structural()`` reopens the file, is
     detached on close, and its buffered rows are committed by ``flush()``;
-``commit(stages)``
+``commit(stages, sync)``
     THE two-phase commit (appends, spills, truncations, flushes all go through it): data, an
-    HDF5 flush, the commit records, another flush.
+    HDF5 flush, the commit records, another flush; then, at the ``fsync`` level, the journaled
+    sync that makes it survive a power cut.
 
-Writers work in HDF5's single-writer/multiple-reader (SWMR) mode; ``docs/archive.md`` gives the
-guarantees and ``docs/format.md`` the layout. A URL opens read-only through a block-cached fsspec
+Two durability levels (``docs/archive.md``). ``"process"`` (format version 1): writers work in
+HDF5's single-writer/multiple-reader (SWMR) mode on the file itself. ``"fsync"`` (format version
+2): the writer's HDF5 writes into a :class:`~fkvstore._journal.JournaledFile`, and every commit
+and change of structure ends in its journaled sync; no SWMR readers while such a writer is open.
+``docs/format.md`` gives the layout. A URL opens read-only through a block-cached fsspec
 file object (:mod:`fkvstore._remote`, ``docs/remote.md``): no lock, no recovery, no SWMR.
 """
 
@@ -35,7 +39,7 @@ from typing import NamedTuple
 
 import h5py
 
-from fkvstore import _remote, layout
+from fkvstore import _journal, _remote, layout
 from fkvstore._hdf5 import open_swmr_reader
 from fkvstore._lock import WriterLock
 from fkvstore._superblock import clear_status_flags, open_cleared_view, read_superblock
@@ -50,9 +54,10 @@ from fkvstore.errors import (
     RemoteModeError,
 )
 
-__all__ = ["LIBVER", "MODES", "Pending", "Session"]
+__all__ = ["DURABILITY", "LIBVER", "MODES", "Pending", "Session"]
 
 MODES = ("r", "r+", "a", "w", "w-", "x")
+DURABILITY = ("process", "fsync")
 LIBVER = ("v110", "v110")  # the oldest format with SWMR: readable by HDF5 >= 1.10
 _FLAG_ERRORS = ("already open for write", "not already open for SWMR")
 
@@ -82,15 +87,19 @@ class Session:
     :class:`~fkvstore._remote.RemoteObject` it reads through (``remote`` is then that object)."""
 
     def __init__(self, path: str | os.PathLike, mode: str, library_version: str, *,
-                 storage_options: dict | None = None, block_bytes: int | None = None,
-                 block_cache_bytes: int | None = None):
+                 durability: str | None = None, storage_options: dict | None = None,
+                 block_bytes: int | None = None, block_cache_bytes: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {', '.join(map(repr, MODES))}")
+        if durability is not None and durability not in DURABILITY:
+            raise ValueError(f"durability {durability!r} is not one of "
+                             f"{', '.join(map(repr, DURABILITY))} (or None: the file's own)")
         self.path = os.fspath(path)
         self.mode = mode
         self.writable = mode != "r"
         self._file: h5py.File | None = None
         self._lock: WriterLock | None = None
+        self._journaled: _journal.JournaledFile | None = None  # the "fsync" level's file
         self._swmr = False
         self._members: dict[str, _Member] = {}
         self.remote: _remote.RemoteObject | None = None
@@ -108,9 +117,20 @@ class Session:
         if mode == "r":
             self._file = _open_reader(self.path)
         elif mode == "r+":
-            self._open_writer_existing()
+            self._open_writer_existing(durability)
         else:
-            self._create(exclusive=mode in ("w-", "x"), library_version=library_version)
+            self._create(exclusive=mode in ("w-", "x"), library_version=library_version,
+                         durability=durability or "process")
+
+    @property
+    def durability(self) -> str:
+        """``"fsync"`` when every commit goes through the rollback journal, else ``"process"``
+        (readers report the level recorded in the file)."""
+        if self._journaled is not None:
+            return "fsync"
+        if self._file is None or self.writable:
+            return "process"
+        return layout.recorded_durability(self._file)
 
     # -- the interface the archive's objects use ----------------------------------------------
     @property
@@ -162,6 +182,13 @@ class Session:
         in ordinary mode for the change and goes back to SWMR mode right after.
         """
         self.check_writable()
+        if self._journaled is not None:  # no SWMR mode to leave; the sync makes it atomic
+            try:
+                yield
+            finally:
+                self.h5.flush()
+                self._journaled.sync()
+            return
         if self._swmr:
             self.h5.close()
             self._file = _h5_open(self.path, "r+")
@@ -173,28 +200,43 @@ class Session:
         finally:
             self._enter_swmr()
 
-    def commit(self, stages: Iterable[Callable[[], Pending]]) -> None:
+    def commit(self, stages: Iterable[Callable[[], Pending]], sync: bool = False) -> None:
         """Two-phase commit of the streams whose ``stage()`` callables are given: each writes its
         data and returns its :class:`Pending` record; after an HDF5 flush the records are
         written, after another flush every stream applies its new state. A process killed at
-        any point leaves each stream at its old or its new commit."""
+        any point leaves each stream at its old or its new commit. At the ``fsync`` level the
+        journaled sync follows (power-loss safe); ``sync=True`` at the ``process`` level
+        fsyncs the file."""
         stages = list(stages)
         if not stages:
+            if sync:
+                self._sync()
             return
         f = self.h5
-        if not self._swmr:
+        if not self._swmr and self._journaled is None:
             self._enter_swmr()
         pending = [stage() for stage in stages]
         f.flush()
         for p in pending:
             layout.write_commit(p.points, p.record)
         f.flush()
+        if sync or self._journaled is not None:
+            self._sync()
         for p in pending:
             p.apply()
 
-    def flush(self) -> None:
-        """Commit every bound stream that has buffered rows."""
-        self.commit([m.stage for m in self._members.values() if m.has_pending()])
+    def flush(self, sync: bool = False) -> None:
+        """Commit every bound stream that has buffered rows (and fsync, see :meth:`commit`)."""
+        self.commit([m.stage for m in self._members.values() if m.has_pending()], sync)
+
+    def _sync(self) -> None:
+        """Everything the file holds reaches the disk: the journaled sync (``fsync`` level) or
+        an fsync of the file (``process`` level, through the writer lock's descriptor)."""
+        if self._journaled is not None:
+            self.h5.flush()
+            self._journaled.sync()
+        elif self._lock is not None:
+            self._lock.fsync()
 
     def close(self) -> None:
         """Detach every bound stream, close the file and release the writer lock. Idempotent;
@@ -208,6 +250,12 @@ class Session:
                     self._file.close()
                 finally:
                     self._file = None
+            if self._journaled is not None:
+                journaled, self._journaled = self._journaled, None
+                try:
+                    journaled.sync()  # what HDF5 wrote while closing: the clean superblock
+                finally:
+                    journaled.close_clean()
         finally:
             if self.remote is not None:  # after the HDF5 file, which reads through it
                 self.remote.close()
@@ -250,13 +298,14 @@ class Session:
             self.close()
             raise
 
-    def _open_writer_existing(self) -> None:
+    def _open_writer_existing(self, durability: str | None) -> None:
         if not os.path.exists(self.path):
             raise ArchiveNotFoundError(
                 f"no archive at {self.path!r}; open it with mode 'a' or 'w' to create one"
             )
         self._lock = WriterLock(self.path, create=False)
         try:
+            _journal.recover(self.path)  # a sync cut by a power failure is undone first
             _recover_if_needed(self.path)
             try:
                 self._file = _h5_open(self.path, "r+")
@@ -266,12 +315,26 @@ class Session:
                     "truncated or damaged"
                 ) from exc
             layout.check_format(self._file, self.path)
-            self._enter_swmr()
+            if (durability or layout.recorded_durability(self._file)) == "fsync":
+                self._file.close()
+                self._file = None
+                self._open_journaled(create=False)
+                if layout.recorded_durability(self.h5) != "fsync":
+                    with self.structural():  # format version 2, in one journaled sync
+                        layout.record_durability(self.h5, "fsync")
+            else:
+                self._enter_swmr()
         except BaseException:
             self.close()
             raise
 
-    def _create(self, exclusive: bool, library_version: str) -> None:
+    def _open_journaled(self, create: bool) -> None:
+        """Open the file for the ``fsync`` level: HDF5 writes through a JournaledFile."""
+        self._journaled = _journal.JournaledFile(self.path, create=create)
+        self._file = h5py.File(self._journaled, "w" if create else "r+", libver=LIBVER,
+                               locking=False)
+
+    def _create(self, exclusive: bool, library_version: str, durability: str) -> None:
         try:
             self._lock = WriterLock(self.path, create=True, exclusive_create=exclusive)
         except FileExistsError:
@@ -280,9 +343,16 @@ class Session:
                 "or 'w' to replace it"
             ) from None
         try:
-            self._file = h5py.File(self.path, "w", libver=LIBVER, locking=False)
-            layout.init_file(self._file, library_version)
-            self._enter_swmr()
+            if durability == "fsync":
+                self._open_journaled(create=True)
+                layout.init_file(self.h5, library_version)
+                layout.record_durability(self.h5, "fsync")
+                self._sync()
+            else:
+                self._file = h5py.File(self.path, "w", libver=LIBVER, locking=False)
+                layout.init_file(self._file, library_version)
+                self._enter_swmr()
+                _journal.clear(self.path)  # a journal left by an earlier file of this name
         except BaseException:
             self.close()
             raise
@@ -343,6 +413,19 @@ def _open_reader(path: str) -> h5py.File:
     """Open for reading as an SWMR reader, which also works while a writer is (or was) active."""
     if not os.path.exists(path):
         raise ArchiveNotFoundError(f"no archive at {path!r}")
+    if os.path.exists(_journal.journal_path(path)):
+        if not _writer_alive(path):
+            rolled_back = _journal.rollback_view(path)  # a sync a power failure interrupted
+            if rolled_back is not None:
+                return _open_view(path, None, rolled_back)
+        elif (sb := read_superblock(path)) is not None and sb.status_flags == 0:
+            # a live writer whose HDF5 left no flags: one at durability "fsync" (HDF5 sets
+            # none through a file object; an SWMR writer always has them set)
+            raise ArchiveLockedError(
+                f"{path!r} is open by a writer at durability 'fsync', which admits no readers "
+                "beside it (its syncs are not ordered for SWMR readers); open it once that "
+                "writer has closed"
+            )
     sb = read_superblock(path)
     if sb is not None and os.path.getsize(path) < sb.base_address + sb.eof_address:
         # Shorter than its superblock says. An SWMR reader skips that check and then retries
@@ -360,8 +443,8 @@ def _open_reader(path: str) -> h5py.File:
             break
         except (OSError, RuntimeError) as exc:
             last = exc
-            if not any(s in str(exc) for s in _FLAG_ERRORS):
-                break
+            if not any(s in str(exc) for s in _FLAG_ERRORS) or not _writer_alive(path):
+                break  # damage, or flags no live writer will clear: no point in waiting
     if f is None:
         f = _open_reader_fallback(path, last)
     try:
@@ -383,9 +466,10 @@ def _writer_alive(path: str) -> bool:
     return False
 
 
-def _open_view(path: str, first_error: Exception | None) -> h5py.File:
-    """Open read-only through a view with cleared flags and zero padding (nothing is written)."""
-    view = open_cleared_view(path)
+def _open_view(path: str, first_error: Exception | None, base=None) -> h5py.File:
+    """Open read-only through a view with cleared flags and zero padding (nothing is written);
+    ``base``: the file object to read the file through (a rollback view), else the file."""
+    view = open_cleared_view(path, base)
     try:
         return h5py.File(view, "r")
     except (OSError, RuntimeError) as exc:
@@ -404,7 +488,9 @@ def _open_reader_fallback(path: str, first_error: Exception | None) -> h5py.File
         # flags left by a writer that died outside SWMR mode: read through a patched view
         if _writer_alive(path):
             raise ArchiveLockedError(
-                f"{path!r} is being restructured by a writer; try again in a moment"
+                f"{path!r} is open by a writer that admits no readers now: one at durability "
+                "'fsync' (no SWMR readers until it closes), or one changing the file's "
+                "structure (try again in a moment)"
             ) from first_error
         return _open_view(path, first_error)
     raise ArchiveFormatError(

@@ -25,11 +25,13 @@ The superblock sits at byte 0, or at 512, 1024, 2048, ... when the file has a us
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
 from dataclasses import dataclass
 
+from fkvstore._journal import SizedFile
 from fkvstore.errors import ArchiveFormatError
 
 __all__ = ["Superblock", "clear_status_flags", "lookup3", "open_cleared_view", "read_superblock"]
@@ -106,13 +108,15 @@ class Superblock:
     size: int  # bytes of the superblock, checksum included
 
 
-def read_superblock(path: str | os.PathLike) -> Superblock | None:
-    """The superblock of the HDF5 file at ``path``; ``None`` for superblock versions 0 and 1.
+def read_superblock(path: str | os.PathLike, base: io.IOBase | None = None
+                    ) -> Superblock | None:
+    """The superblock of the HDF5 file at ``path`` (read through the file object ``base`` when
+    given); ``None`` for superblock versions 0 and 1.
 
     Raises :class:`ArchiveFormatError` when no HDF5 signature is found or the checksum is wrong.
     """
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
+    with (open(path, "rb") if base is None else contextlib.nullcontext(base)) as fh:
+        size = fh.seek(0, io.SEEK_END)
         offset = 0
         while True:
             fh.seek(offset)
@@ -189,13 +193,14 @@ def clear_status_flags(path: str | os.PathLike) -> bool:
     return changed
 
 
-class _ClearedView(io.RawIOBase):
+class _ClearedView(SizedFile):
     """A read-only view of an HDF5 file whose superblock shows cleared status flags, and which
     reads zeros past the end of the file up to the recorded end-of-file address. Lets a reader
-    open a file a writer died with, without changing a byte of it."""
+    open a file a writer died with, without changing a byte of it. ``fh`` is the file (a binary
+    file object, owned by the view from here on)."""
 
-    def __init__(self, path: str | os.PathLike, sb: Superblock):
-        self._fh = open(path, "rb")  # noqa: SIM115 - owned by this object, closed in close()
+    def __init__(self, fh, sb: Superblock):
+        self._fh = fh
         self._pos = 0
         self._fh.seek(sb.offset)
         block = bytearray(self._fh.read(sb.size))
@@ -203,22 +208,8 @@ class _ClearedView(io.RawIOBase):
         block[-4:] = lookup3(bytes(block[:-4])).to_bytes(4, "little")
         self._sb_offset = sb.offset
         self._sb = bytes(block)
-        real = os.fstat(self._fh.fileno()).st_size
+        real = self._fh.seek(0, io.SEEK_END)
         self._size = max(real, sb.base_address + sb.eof_address)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = base + pos
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
 
     def readinto(self, buf) -> int:
         view = memoryview(buf).cast("B")
@@ -240,13 +231,21 @@ class _ClearedView(io.RawIOBase):
         super().close()
 
 
-def open_cleared_view(path: str | os.PathLike) -> io.RawIOBase:
-    """A read-only file object of ``path`` with the superblock's status flags shown cleared.
+def open_cleared_view(path: str | os.PathLike, base: io.RawIOBase | None = None
+                      ) -> io.RawIOBase:
+    """A read-only file object of ``path`` with the superblock's status flags shown cleared;
+    ``base``, when given, is the file object to read ``path`` through (the view takes it over
+    and closes it).
 
     Pass it to ``h5py.File(view, "r")``. Raises ArchiveFormatError for superblocks older than
     version 2 (those carry no status flags).
     """
-    sb = read_superblock(path)
-    if sb is None:
-        raise ArchiveFormatError(f"{os.fspath(path)!r} has no status flags to clear")
-    return _ClearedView(path, sb)
+    fh = open(path, "rb") if base is None else base  # noqa: SIM115 - the view closes it
+    try:
+        sb = read_superblock(path, fh)
+        if sb is None:
+            raise ArchiveFormatError(f"{os.fspath(path)!r} has no status flags to clear")
+        return _ClearedView(fh, sb)
+    except BaseException:
+        fh.close()
+        raise

@@ -53,6 +53,7 @@ def open(  # noqa: A001 - mirrors h5py.File / builtins.open on purpose
     *,
     cache_bytes: int = DEFAULT_CACHE_BYTES,
     spill_symbols: int = DEFAULT_SPILL_SYMBOLS,
+    durability: str | None = None,
     storage_options: dict | None = None,
     block_bytes: int = _remote.DEFAULT_BLOCK_BYTES,
     block_cache_bytes: int = _remote.DEFAULT_BLOCK_CACHE_BYTES,
@@ -67,13 +68,20 @@ def open(  # noqa: A001 - mirrors h5py.File / builtins.open on purpose
     follow it. ``cache_bytes`` bounds the decoded-chunk cache of each stream; ``spill_symbols`` is
     the number of buffered symbols per stream after which appends are committed automatically.
 
+    ``durability`` (writers; docs/archive.md "Durability levels"): ``"process"``, a commit
+    survives a killed process; ``"fsync"``, every commit and change of structure also survives
+    a power failure (a rollback journal ``<path>-journal`` beside the file, two fsyncs per
+    commit, format version 2, no SWMR readers while the writer is open); ``None`` (default):
+    the level the file was written at, ``"process"`` for a new file. ``"fsync"`` on a version 1
+    archive converts it to version 2.
+
     For a URL (mode ``"r"`` only, :class:`~fkvstore.errors.RemoteModeError` otherwise):
     ``storage_options`` go to fsspec (credentials, ``endpoint_url``, ...); reads are fetched in
     aligned blocks of ``block_bytes`` and cached up to ``block_cache_bytes`` (0: no cache, each
     read is one request). All three are ignored for a local path.
     """
     return Archive(path, mode, cache_bytes=cache_bytes, spill_symbols=spill_symbols,
-                   storage_options=storage_options, block_bytes=block_bytes,
+                   durability=durability, storage_options=storage_options, block_bytes=block_bytes,
                    block_cache_bytes=block_cache_bytes)
 
 
@@ -106,6 +114,7 @@ class Archive:
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         spill_symbols: int = DEFAULT_SPILL_SYMBOLS,
+        durability: str | None = None,
         storage_options: dict | None = None,
         block_bytes: int = _remote.DEFAULT_BLOCK_BYTES,
         block_cache_bytes: int = _remote.DEFAULT_BLOCK_CACHE_BYTES,
@@ -120,7 +129,8 @@ class Archive:
         self._streams: dict[str, Stream] = {}
         block_bytes = _validate.positive_int(block_bytes, "block_bytes")
         block_cache_bytes = _validate.integer(block_cache_bytes, "block_cache_bytes", low=0)
-        self._session = Session(self.path, mode, __version__, storage_options=storage_options,
+        self._session = Session(self.path, mode, __version__, durability=durability,
+                                storage_options=storage_options,
                                 block_bytes=block_bytes, block_cache_bytes=block_cache_bytes)
 
     # -- state -------------------------------------------------------------------------------
@@ -312,11 +322,21 @@ class Archive:
             del self._session.h5[layout.ARRAYS][name]
 
     # -- durability ----------------------------------------------------------------------------
-    def flush(self) -> None:
-        """Commit every stream's buffered rows. When this returns they survive a killed process
-        (not a power failure: the file is not fsynced)."""
+    @property
+    def durability(self) -> str:
+        """``"fsync"`` or ``"process"``: what a commit survives (docs/archive.md)."""
+        self._session.check_open()
+        return self._session.durability
+
+    def flush(self, sync: bool = False) -> None:
+        """Commit every stream's buffered rows. When this returns they survive a killed process.
+
+        At durability ``"fsync"`` every flush survives a power failure as well (journaled, two
+        fsyncs). At ``"process"``, ``sync=True`` adds an fsync of the file: what is committed
+        is then on the disk, but a power failure during a *later* write may still tear HDF5
+        metadata that earlier data depends on; open with ``durability="fsync"`` for that."""
         self._session.check_writable()
-        self._session.flush()
+        self._session.flush(sync=bool(sync))
 
     def verify(self, progress=None) -> dict[str, list[str]]:
         """Check every stream (:meth:`Stream.verify`) and array; ``{name: problems}`` with an

@@ -33,6 +33,7 @@ __all__ = [
     "AUX",
     "COMMIT_ATTR",
     "COMMIT_FIELDS",
+    "DURABILITY_ATTR",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "REMOTE_HEAD_ATTR",
@@ -54,6 +55,8 @@ __all__ = [
     "read_commit",
     "read_stream_info",
     "read_tail",
+    "record_durability",
+    "recorded_durability",
     "stream_path",
     "write_block",
     "write_commit",
@@ -61,7 +64,10 @@ __all__ = [
 ]
 
 FORMAT_NAME = "fkvstore"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version this fkvstore reads and writes
+# version 1 for archives written at durability "process"; version 2 adds the attribute
+# DURABILITY_ATTR = "fsync" and the rollback journal beside the file (docs/format.md)
+DURABILITY_ATTR = "fkv_durability"
 RESERVED_PREFIX = "fkv_"
 STREAMS = "streams"
 ARRAYS = "arrays"
@@ -320,10 +326,28 @@ def check_format(f: h5py.File, path: str | os.PathLike) -> None:
 
 def init_file(f: h5py.File, library_version: str) -> None:
     f.attrs["fkv_format"] = FORMAT_NAME
-    f.attrs["fkv_format_version"] = FORMAT_VERSION
+    f.attrs["fkv_format_version"] = 1
     f.attrs["fkv_library_version"] = library_version
     f.create_group(STREAMS)
     f.create_group(ARRAYS)
+
+
+def recorded_durability(f: h5py.File) -> str:
+    """The durability level the archive ``f`` was written at: ``"fsync"`` for format version 2
+    archives that record it, else ``"process"``."""
+    level = f.attrs.get(DURABILITY_ATTR)
+    if isinstance(level, bytes):
+        level = level.decode("utf-8", "replace")
+    return "fsync" if level == "fsync" and int(f.attrs.get("fkv_format_version", 1)) >= 2 \
+        else "process"
+
+
+def record_durability(f: h5py.File, level: str) -> None:
+    """Mark ``f`` as written at durability ``level``; ``"fsync"`` makes it format version 2
+    (older fkvstore versions refuse it: they would not apply its journal)."""
+    if level == "fsync":
+        f.attrs["fkv_format_version"] = 2
+    f.attrs[DURABILITY_ATTR] = level
 
 
 def _le_bytes(arr: np.ndarray) -> bytes:

@@ -273,10 +273,14 @@ GOLDEN_TEXT = "The Time Traveller (for so it will be convenient to speak of him)
 
 
 def test_golden_files_read_exactly():
-    path = GOLDEN / "v1.h5"
+    assert_golden_content(GOLDEN / "v1.h5", 1)
+
+
+def assert_golden_content(path, version: int) -> None:
+    """The golden archive of format ``version`` at ``path`` holds golden_content() exactly."""
     assert path.exists(), "run tests/golden/make_golden.py"
     with fkvstore.open(path) as ar:
-        assert ar.attrs["purpose"] == "golden archive, format version 1"
+        assert ar.attrs["purpose"] == f"golden archive, format version {version}"
         for name, (geometry, alphabet, width, data) in golden_content().items():
             s = ar[name]
             assert (s.codec.geometry, s.alphabet_size, s.width) == (geometry, alphabet, width)

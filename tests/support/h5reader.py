@@ -19,7 +19,9 @@ def read_stream_with_h5py(path, name: str) -> np.ndarray:
     """Every committed row of stream ``name``: int64 (length, width). Raises ValueError on a
     checksum mismatch."""
     with h5py.File(path, "r", swmr=True, locking=False) as f:
-        assert f.attrs["fkv_format"] == "fkvstore" and f.attrs["fkv_format_version"] == 1
+        assert f.attrs["fkv_format"] == "fkvstore" and f.attrs["fkv_format_version"] in (1, 2)
+        # version 2: read only with no journal to apply (the docs' "Reading a version 2 file")
+        assert f.attrs["fkv_format_version"] == 1 or journal_is_empty(path)
         g = f["streams"][name]
         codec = json.loads(g.attrs["fkv_codec"])
         n_alpha, geometry = codec["alphabet_size"], codec["geometry"]
@@ -45,3 +47,14 @@ def read_stream_with_h5py(path, name: str) -> np.ndarray:
         pts = [tuple(p) for p in points[:, col, :]]
         out[:, col] = decode(pts, length, n_alpha, geometry, span, ratio)
     return out
+
+
+def journal_is_empty(path) -> bool:
+    """No journal beside ``path``, or one whose header is zeroed or fails its checksum."""
+    try:
+        with open(f"{path}-journal", "rb") as fh:
+            head = fh.read(64)
+    except FileNotFoundError:
+        return True
+    return head[:8] != b"fkvjrnl\x01" or zlib.crc32(head[:60]) != int.from_bytes(head[60:64],
+                                                                               "little")
