@@ -100,6 +100,7 @@ class Session:
         self._file: h5py.File | None = None
         self._lock: WriterLock | None = None
         self._journaled: _journal.JournaledFile | None = None  # the "fsync" level's file
+        self._created = False  # this writer created the file: its name is not fsynced yet
         self._swmr = False
         self._members: dict[str, _Member] = {}
         self.remote: _remote.RemoteObject | None = None
@@ -237,6 +238,9 @@ class Session:
             self._journaled.sync()
         elif self._lock is not None:
             self._lock.fsync()
+            if self._created:  # the new file's name, once
+                _journal.fsync_directory(self.path)
+                self._created = False
 
     def close(self) -> None:
         """Detach every bound stream, close the file and release the writer lock. Idempotent;
@@ -350,6 +354,7 @@ class Session:
                 self._sync()
             else:
                 self._file = h5py.File(self.path, "w", libver=LIBVER, locking=False)
+                self._created = True
                 layout.init_file(self._file, library_version)
                 self._enter_swmr()
                 _journal.clear(self.path)  # a journal left by an earlier file of this name
