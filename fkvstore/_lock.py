@@ -62,7 +62,7 @@ class WriterLock:
     def fsync(self) -> None:
         """fsync the locked file (any descriptor of a file flushes all of its written pages)."""
         if self._fd is not None:
-            os.fsync(self._fd)
+            getattr(os, "fdatasync", os.fsync)(self._fd)  # data and size, as the journal does
 
     def release(self) -> None:
         if self._fd is not None:

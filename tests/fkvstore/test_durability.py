@@ -51,8 +51,9 @@ def test_durability_is_checked_and_reported(tmp_path):
 
 def test_flush_sync_at_the_process_level_fsyncs(tmp_path, monkeypatch):
     synced = []
-    real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    for name in ("fsync", "fdatasync"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda fd, real=real: (synced.append(fd), real(fd)))
     with fkvstore.open(tmp_path / "a.h5", "w") as ar:
         s = ar.create_stream("s", 256)
         s.extend(range(100))
