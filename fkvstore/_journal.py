@@ -136,12 +136,16 @@ def read_journal(path: str | os.PathLike) -> JournalState | None:
             if zlib.crc32(head[: _HEAD.size]) != crc:
                 return None
             _, version, page, _, old_size, new_size, n_new, n_old, body_crc = fields
-            if version != VERSION or page != PAGE or n_new > 1 << 40 or n_old > n_new:
-                return None
-            body = fh.read(n_new * _NEW.size + n_old * (_OLD.size + PAGE))
+            body_size = n_new * _NEW.size + n_old * (_OLD.size + PAGE)
+            if (version != VERSION or page != PAGE or n_old > n_new or old_size > new_size
+                    or HEADER + body_size > os.fstat(fh.fileno()).st_size
+                    or old_size > os.path.getsize(path)):
+                return None  # cut short, or not a journal of this file
+            fh.seek(HEADER)
+            body = fh.read(body_size)
     except FileNotFoundError:
         return None
-    if len(body) != n_new * _NEW.size + n_old * (_OLD.size + PAGE) or zlib.crc32(body) != body_crc:
+    if len(body) != body_size or zlib.crc32(body) != body_crc:
         return None  # cut while the journal was written: the archive file was not touched
     written = [_NEW.unpack_from(body, k * _NEW.size) for k in range(n_new)]
     saved = {}
@@ -150,6 +154,9 @@ def read_journal(path: str | os.PathLike) -> JournalState | None:
         (index,) = _OLD.unpack_from(body, at)
         saved[index] = body[at + _OLD.size : at + _OLD.size + PAGE]
         at += _OLD.size + PAGE
+    if (len(saved) != n_old or any(i * PAGE >= old_size for i in saved)
+            or any(i * PAGE >= new_size for i, _ in written)):
+        return None  # pages outside the file: not a journal fkvstore wrote
     with open(path, "rb") as fh:
         fd = fh.fileno()
         complete = os.fstat(fd).st_size >= new_size and all(

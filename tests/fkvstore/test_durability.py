@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import sys
+import zlib
 from pathlib import Path
 
 import h5py
@@ -248,3 +250,36 @@ def test_journaled_file_reads_what_was_written(tmp_path_factory, initial, ops):
                 assert path.read_bytes() == bytes(disk)  # unchanged before the sync
     finally:
         f.close()
+
+
+def _crafted_journal(path: Path, old_size: int, new_size: int, n_new: int, n_old: int,
+                     body: bytes) -> None:
+    head = struct.pack("<8sIIQQQQQI", _journal.MAGIC, 1, 4096, 7, old_size, new_size, n_new,
+                       n_old, zlib.crc32(body))
+    head += struct.pack("<I", zlib.crc32(head))
+    Path(_journal.journal_path(path)).write_bytes(head.ljust(512, b"\0") + body)
+
+
+@pytest.mark.parametrize("case", ["huge count", "old size past the file", "page past the file",
+                                  "body cut short"])
+def test_a_journal_fkvstore_did_not_write_is_not_applied(tmp_path, case):
+    """Valid checksums over values no sync writes: the journal is ignored, nothing allocated or
+    written for it, and the archive reads as it is."""
+    path = tmp_path / "a.h5"
+    with fkvstore.open(path, "w", durability="fsync") as ar:
+        ar.create_stream("s", 4).extend([1, 2, 3])
+    size = path.stat().st_size
+    page = struct.pack("<Q", 0) + bytes(4096)
+    args = {"huge count": (size, size, 1 << 60, 0, b""),
+            "old size past the file": (size + 4096, size + 4096, 1, 1,
+                                       struct.pack("<QI", 0, 0) + page),
+            "page past the file": (size, size, 1, 1,
+                                   struct.pack("<QI", 1 << 40, 0) + struct.pack("<Q", 1 << 40)
+                                   + bytes(4096)),
+            "body cut short": (size, size, 3, 1, struct.pack("<QI", 0, 0))}[case]
+    _crafted_journal(path, *args)
+    before = path.read_bytes()
+    assert _journal.read_journal(path) is None
+    assert pl.read_state(path)["s"].ravel().tolist() == [1, 2, 3]
+    assert _journal.recover(path) is False
+    assert path.read_bytes() == before
