@@ -74,7 +74,8 @@ def _parse_range(text: str, length: int, name: str = "") -> tuple[int, int]:
 def cmd_info(args) -> int:
     with fkvstore.open(args.file) as ar:
         print(
-            f"{args.file}: fkvstore archive, {len(ar)} stream(s), {len(ar.array_names())} array(s)"
+            f"{args.file}: fkvstore archive, {len(ar)} stream(s), {len(ar.array_names())} "
+            f"array(s), durability {ar.durability}"
         )
         for key, value in ar.attrs.items():
             print(f"  attr {key} = {value!r}")

@@ -283,3 +283,11 @@ def test_a_journal_fkvstore_did_not_write_is_not_applied(tmp_path, case):
     assert pl.read_state(path)["s"].ravel().tolist() == [1, 2, 3]
     assert _journal.recover(path) is False
     assert path.read_bytes() == before
+
+
+def test_fkv_info_names_the_level(capsys):
+    from fkvstore import cli
+
+    for version, level in ((1, "process"), (2, "fsync")):
+        assert cli.main(["info", str(GOLDEN / f"v{version}.h5")]) == 0
+        assert f"durability {level}" in capsys.readouterr().out.splitlines()[0]
