@@ -32,6 +32,8 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from fkvstore.errors import ArchiveClosedError
+
 __all__ = [
     "DISK",
     "PAGE",
@@ -290,6 +292,7 @@ class JournaledFile(SizedFile):
         self._size = self._disk_size
         self._pages: dict[int, bytearray] = {}
         self._pos = 0
+        self._failed: BaseException | None = None
 
     # -- the file object h5py drives ----------------------------------------------------------
     def writable(self) -> bool:
@@ -344,8 +347,20 @@ class JournaledFile(SizedFile):
         """Make everything written so far durable, atomically: the journal, fsync, the pages,
         fsync. A power cut at any moment leaves the old or the new contents (after
         :func:`recover` or through :func:`rollback_view`)."""
+        if self._failed is not None:
+            raise ArchiveClosedError(
+                f"a sync of {self.path!r} failed part-way ({self._failed}); nothing more can be "
+                "committed: close the archive and open it again, which rolls that sync back")
         if not self.dirty:
             return
+        try:
+            self._write_through()
+        except BaseException as exc:
+            # the file may hold some new pages now: a later sync would journal them as old
+            self._failed = exc
+            raise
+
+    def _write_through(self) -> None:
         old_size = self._disk_size
         new_size = max(old_size, self._size)
         indexes = sorted(i for i in self._pages if i * PAGE < new_size)
@@ -381,7 +396,7 @@ class JournaledFile(SizedFile):
         """After the final :meth:`sync` of a closed HDF5 file: clear the journal (a later open
         need not check it) and release the descriptors."""
         try:
-            if not self.closed:
+            if not self.closed and self._failed is None:
                 DISK.pwrite(self._jpath, self._jfd, bytes(HEADER), 0)
                 DISK.fsync(self._jpath, self._jfd)
         finally:

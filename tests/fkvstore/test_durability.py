@@ -291,3 +291,33 @@ def test_fkv_info_names_the_level(capsys):
     for version, level in ((1, "process"), (2, "fsync")):
         assert cli.main(["info", str(GOLDEN / f"v{version}.h5")]) == 0
         assert f"durability {level}" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_a_failed_sync_stops_commits_and_is_rolled_back_on_reopen(tmp_path, monkeypatch):
+    path = tmp_path / "a.h5"
+    with fkvstore.open(path, "w", durability="fsync") as ar:
+        ar.create_stream("s", 256).extend(range(50))
+    before = pl.read_state(path)
+
+    class Full(_journal._Disk):  # the disk fills up after the journal and one page
+        def pwrite(self, path_, fd, data, offset):
+            if not path_.endswith("-journal"):
+                super().pwrite(path_, fd, data[:4096], offset)
+                raise OSError(28, "No space left on device")
+            super().pwrite(path_, fd, data, offset)
+
+    ar = fkvstore.open(path, "a")
+    ar["s"].extend(np.arange(50, 5000) % 256)
+    monkeypatch.setattr(_journal, "DISK", Full())
+    with pytest.raises(OSError, match="No space"):
+        ar.flush()
+    monkeypatch.undo()
+    ar["s"].extend([1])
+    with pytest.raises(fkvstore.errors.ArchiveClosedError, match="failed part-way"):
+        ar.flush()
+    with pytest.raises(fkvstore.errors.ArchiveClosedError):
+        ar.close()
+    assert ar.closed
+    assert pl.same_state(pl.read_state(path), before)  # the reader rolls back in a view
+    with fkvstore.open(path, "a") as again:  # the writer on disk
+        assert len(again["s"]) == 50
