@@ -47,6 +47,12 @@ def _append(ar):
     ar.flush()
 
 
+def _append_many(ar):
+    """Enough rows for a change of more than 12 pages (random subsets, not every subset)."""
+    ar["kv"].extend(np.random.default_rng(5).integers(0, 256, (4000, 8)))
+    ar.flush()
+
+
 def _unflushed_then_close(ar):
     ar["kv"].extend(ROWS[555:600])
     ar.close()
@@ -54,10 +60,12 @@ def _unflushed_then_close(ar):
 
 OPS = {
     "append": _append,
+    "append_many": _append_many,
     "truncate": lambda ar: ar["kv"].truncate(123),
     "put_array": lambda ar: ar.put_array("window", np.arange(5000, dtype=np.int32)),
     "replace_array": lambda ar: ar.put_array("codebook", np.zeros((3, 20))),
     "create_stream": lambda ar: ar.create_stream("fresh", 50, width=3),
+    "delete_stream": lambda ar: ar.__delitem__("book"),
     "close": _unflushed_then_close,
 }
 
