@@ -8,12 +8,15 @@ once; attention reads them through the function registered by
 :mod:`model_adapters.caches.codes_attention`, which the model must use
 (:func:`use_codes_attention`).
 
+Chunk invariance: every query sees each earlier position as token-by-token decoding would (see
+:mod:`model_adapters.caches.window`); a multi-token forward hands the positions it archives to
+the attention function with their exact copies (a
+:class:`~model_adapters.caches.codes_attention.Transit`).
+
 Rewinding: ``crop`` can only restore positions whose exact K/V is still held. ``rewind`` extra
-exact positions are kept behind the recent window for that (speculative decoding needs a few);
-with them, crop-then-continue is the same computation as a fresh run on the shorter prefix
-(with the default ``block=1``) when the crop point ends an earlier forward; tokens kept from a
-multi-token forward that spans it (a speculative verify step) were computed with that forward's
-archive boundary, so the continuation differs slightly.
+exact positions are kept behind the recent window for that (speculative decoding needs as many
+as the assistant drafts); with them, crop-then-continue is the same computation as a fresh run
+on the shorter prefix, wherever the crop point falls.
 """
 
 from __future__ import annotations
@@ -22,9 +25,22 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kernels import BACKENDS, CodedCache, validate_coded_cache
-from model_adapters.caches.codes_attention import CODES_ATTENTION, LAYER_ATTR, use_codes_attention
+from model_adapters.caches.codes_attention import (
+    CODES_ATTENTION,
+    LAYER_ATTR,
+    Transit,
+    require_codes_attention,
+    unread_error,
+    use_codes_attention,
+)
 from model_adapters.caches.sharing import deepcopy_sharing
-from model_adapters.caches.window import check_window, crop_target
+from model_adapters.caches.window import (
+    DEFAULT_REWIND,
+    archive_end,
+    check_window,
+    crop_target,
+    shortest_crop,
+)
 from model_adapters.models import KVShape, kv_shape
 from model_adapters.quant.quantizer import KVQuantizer
 from model_adapters.quant.rvq import check_codes, decode
@@ -57,7 +73,12 @@ class CodesOnlyLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
-    is_croppable = True
+
+    @property
+    def is_croppable(self) -> bool:
+        """Codes handed to a rows collector cannot be taken back (those in an attached archive
+        can): generate must not plan on crops then."""
+        return self.cache.rows is None or bool(self.cache.archive_hooks)
 
     # transformers' DynamicLayer keeps every position in ``keys``/``values``; this layer has no
     # such tensor, and a partial one (the exact tail) would be read as the whole cache
@@ -79,6 +100,7 @@ class CodesOnlyLayer(CacheLayerMixin):
         super().__init__()
         self.layer_idx = layer_idx
         self.cache = cache
+        self.transit: Transit | None = None  # for this forward's attention call (see update)
         self.length = 0
         self.archived_end = cache.sinks
         self.tail_start = cache.sinks
@@ -114,8 +136,17 @@ class CodesOnlyLayer(CacheLayerMixin):
             self.tail_k = torch.cat([self.tail_k, key_states[:, :, take:]], 2)
             self.tail_v = torch.cat([self.tail_v, value_states[:, :, take:]], 2)
         self.length += key_states.shape[2]
-        end = self.length - recent
-        if end - self.archived_end >= self.cache.block:
+        c = self.cache
+        end = archive_end(self.length, sinks, recent, c.block)
+        # the positions archived here that earlier queries of this chunk still see exact (the
+        # tail still holds them: it is trimmed to the rewind margin only in _archive)
+        lo = max(self.archived_end, archive_end(self.length - key_states.shape[2] + 1, sinks,
+                                                recent, c.block))
+        if key_states.shape[2] > 1 and end > lo:
+            a, b = lo - self.tail_start, end - self.tail_start
+            self.transit = Transit(lo, self.tail_k[:, :, a:b], self.tail_v[:, :, a:b],
+                                   sinks, recent, c.block)
+        if end > self.archived_end:
             self._archive(end)
         # the layer rides on a fresh view so the attention function can find the codes
         keys = self.tail_k[:, :, self.archived_end - self.tail_start :]
@@ -148,6 +179,12 @@ class CodesOnlyLayer(CacheLayerMixin):
             self.tail_k = self.tail_k[:, :, cut:].clone()
             self.tail_v = self.tail_v[:, :, cut:].clone()
             self.tail_start = keep_from
+
+    def take_transit(self) -> Transit | None:
+        """This forward's transit (None if no position left the window inside the chunk),
+        handed over once: the attention function calls this."""
+        transit, self.transit = self.transit, None
+        return transit
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         # older releases pass cache_position (one entry per query token) instead of a length
@@ -243,10 +280,11 @@ class CodesOnlyLayer(CacheLayerMixin):
         """Why this layer cannot be cut back to ``length`` positions (None: it can)."""
         if length > self.length:
             return f"the cache holds only {self.length} positions"
-        sinks = self.cache.sinks
-        new_end = max(sinks, min(self.archived_end, length - self.cache.recent))
-        if length > sinks and self.tail_start > new_end:
-            shortest = self.tail_start + self.cache.recent
+        c = self.cache
+        sinks = c.sinks
+        new_end = min(self.archived_end, archive_end(length, sinks, c.recent, c.block))
+        if min(self.archived_end, length) > new_end and self.tail_start > new_end:
+            shortest = shortest_crop(self.tail_start, sinks, c.recent, c.block)
             return (
                 f"positions {new_end}..{self.tail_start - 1} would have to be exact again, but "
                 f"only their codes are held (rewind margin {self.cache.rewind}); crop to at "
@@ -258,9 +296,10 @@ class CodesOnlyLayer(CacheLayerMixin):
         """Cut back to ``length`` positions (check :meth:`crop_problem` first)."""
         if not self.is_initialized or length == self.length:
             return
-        sinks = self.cache.sinks
+        c = self.cache
+        sinks = c.sinks
         self.head_k, self.head_v = self.head_k[:, :, :length], self.head_v[:, :, :length]
-        self.archived_end = max(sinks, min(self.archived_end, length - self.cache.recent))
+        self.archived_end = min(self.archived_end, archive_end(length, sinks, c.recent, c.block))
         keep = max(0, length - self.tail_start)
         self.tail_k, self.tail_v = self.tail_k[:, :, :keep], self.tail_v[:, :, :keep]
         if length <= sinks:
@@ -273,6 +312,7 @@ class CodesOnlyLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.is_initialized = False
+        self.transit = None
         self.length = 0
         self.archived_end = self.tail_start = self.cache.sinks
 
@@ -318,17 +358,15 @@ class CodesOnlyCache(Cache):
             would have to be kept dense, which is the archiving cache's job).
         sinks: leading positions kept exact forever.
         recent: most recent positions kept exact.
-        rewind: extra exact positions kept behind the recent window so that ``crop`` can step
-            back that far past the archive boundary.
-        block: quantize positions leaving the recent window in groups of at least this many
-            (as :class:`~model_adapters.caches.archiving.ArchivingCache` does): the window then
-            holds ``recent`` to ``recent + block - 1`` exact positions, and the codebooks are read
-            and the exact tail trimmed once per group instead of every step. With ``block >
-            1`` the archive boundary depends on the path: a prefill archives everything past
-            the window at once, and ``crop`` leaves the boundary at ``length - recent`` at
-            most (as with ``block=1``), where a fresh run to the same length may have archived
-            up to ``block - 1`` fewer positions; so "crop, then continue" equals a fresh run
-            only for ``block=1``.
+        rewind: extra exact positions kept behind the recent window so that ``crop`` back by up
+            to ``rewind - block + 1`` positions leaves the state of a fresh run (the default
+            covers transformers' assistant, 20 draft tokens per round).
+        block: quantize positions leaving the recent window in groups of this many, aligned on
+            ``sinks`` (as :class:`~model_adapters.caches.archiving.ArchivingCache` does): the
+            window then holds ``recent`` to ``recent + block - 1`` exact positions, and the
+            codebooks are read and the exact tail trimmed once per group instead of every step.
+            The boundary depends only on the length (:func:`~model_adapters.caches.window.
+            archive_end`), so prefill, chunks and crops agree with token-by-token decoding.
         rows: collector receiving one row of codes per archived token
             (:class:`~model_adapters.caches.code_rows.CodeRows`; batch 1 only).
         backend: the path of float16/bfloat16 decode steps: ``"triton"``, the Triton kernel of
@@ -350,7 +388,7 @@ class CodesOnlyCache(Cache):
         *,
         sinks: int = 4,
         recent: int = 32,
-        rewind: int = 0,
+        rewind: int = DEFAULT_REWIND,
         rows=None,
         backend: str = "auto",
         block: int = 1,
@@ -368,12 +406,7 @@ class CodesOnlyCache(Cache):
             )
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        impl = getattr(getattr(model_or_config, "config", None), "_attn_implementation", None)
-        if hasattr(model_or_config, "config") and impl != CODES_ATTENTION:
-            raise ValueError(
-                f"the model's attention implementation is {impl!r}; the codes-only cache needs "
-                f"{CODES_ATTENTION!r}: call model_adapters.use_codes_attention(model)"
-            )
+        require_codes_attention(model_or_config, "codes-only cache")
         if rows is not None and rows.num_layers != shape.num_layers:
             raise ValueError(
                 f"rows collector has {rows.num_layers} layers, model has {shape.num_layers}"
@@ -397,11 +430,7 @@ class CodesOnlyCache(Cache):
         if self.rows is not None:
             self.rows.check_batch(key_states.shape[0])
         if self.unread_layer is not None:
-            raise RuntimeError(
-                f"layer {self.unread_layer} of the codes-only cache was updated but attention "
-                f"did not read its codes: the model's attention implementation must be "
-                f"{CODES_ATTENTION!r} (call model_adapters.use_codes_attention(model))"
-            )
+            raise unread_error(self.unread_layer, "codes-only cache")
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         self.unread_layer = layer_idx
         return out
@@ -432,7 +461,8 @@ class CodesOnlyCache(Cache):
 
     def archived_after(self, length: int) -> int:
         """Archived positions left after cutting the cache back to ``length``."""
-        return max(0, min(self.archived_tokens, length - self.sinks - self.recent))
+        end = archive_end(length, self.sinks, self.recent, self.block)
+        return min(self.archived_tokens, end - self.sinks)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Cut the cache back: ``n > 0`` keeps the first ``n`` positions, ``n < 0`` drops the
