@@ -128,9 +128,9 @@ class ArchivingLayer(DynamicLayer):
         if self.exact_k is None or self.exact_from + self.exact_k.shape[-2] != start:
             self.exact_k, self.exact_v, self.exact_from = k[..., :0, :], v[..., :0, :], start
         first = max(self.exact_from, end - self.rewind)
-        drop = first - self.exact_from
-        self.exact_k = torch.cat([self.exact_k[..., drop:, :], k[..., first - start :, :]], -2)
-        self.exact_v = torch.cat([self.exact_v[..., drop:, :], v[..., first - start :, :]], -2)
+        drop, skip = first - self.exact_from, max(first, start) - start
+        self.exact_k = torch.cat([self.exact_k[..., drop:, :], k[..., skip:, :]], -2)
+        self.exact_v = torch.cat([self.exact_v[..., drop:, :], v[..., skip:, :]], -2)
         self.exact_from = first
 
     def _track_error(self, side: int, x: torch.Tensor, recon: torch.Tensor) -> None:
