@@ -30,6 +30,7 @@ from model_adapters.caches.code_rows import CodeRows
 from model_adapters.caches.codes_attention import (
     LAYER_ATTR,
     Transit,
+    left_pads,
     unread_error,
 )
 from model_adapters.caches.sharing import deepcopy_sharing
@@ -76,6 +77,11 @@ class ArchivingLayer(DynamicLayer):
         self.track_error = track_error
         self.archived_until = 0  # positions [sinks, archived_until) hold reconstructions
         self.transit: Transit | None = None  # for this forward's attention call (see update)
+        # left padding per sequence (None: none), set by the cache on its first update; then
+        # sequence b's window starts at pads[b] and its archive ends at seq_ends[b]
+        self.pads: list[int] | None = None
+        self.pad_tensor: torch.Tensor | None = None
+        self.seq_ends: list[int] = []
         # exact K/V of the last ``rewind`` archived positions, [exact_from, archived_until): what
         # crop needs to make positions exact again that a fresh run would still hold exact
         self.exact_from = 0
@@ -88,6 +94,8 @@ class ArchivingLayer(DynamicLayer):
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         if self.quantizer is None:
             return keys, values
+        if self.pads is not None:
+            return self._update_padded(keys, values, key_states.shape[-2])
         length, chunk = keys.shape[-2], key_states.shape[-2]
         end = archive_end(length, self.sinks, self.recent, self.block)
         start = max(self.archived_until, self.sinks)
@@ -110,9 +118,48 @@ class ArchivingLayer(DynamicLayer):
             if self.rows is not None:
                 self.rows.add(self.layer_idx, kc, vc)
             self.archived_until = end
+        return self._handed_over()
+
+    def _update_padded(self, keys: torch.Tensor, values: torch.Tensor, chunk: int):
+        """:meth:`update` for a left-padded batch: each sequence archives in its own positions
+        (after its pads), so its sinks are its first real tokens and pads are never archived.
+        The codebooks are read once for the union of the sequences' new positions."""
+        n, (S, R, B), pads = keys.shape[-2], (self.sinks, self.recent, self.block), self.pads
+        ends = [p + archive_end(n - p, S, R, B) for p in pads]
+        starts = self.seq_ends or [p + S for p in pads]
+        los = [max(a, p + archive_end(n - chunk + 1 - p, S, R, B)) for a, p in zip(starts, pads)]
+        moving = [b for b in range(len(pads)) if ends[b] > starts[b]]
+        if chunk > 1 and any(e > lo for e, lo in zip(ends, los)):
+            lo, hi = min(lo for e, lo in zip(ends, los) if e > lo), max(ends)
+            self.transit = Transit(lo, keys[..., lo:hi, :].clone(), values[..., lo:hi, :].clone(),
+                                   S, R, B, self.pad_tensor)
+        if moving:
+            u0, u1 = min(starts[b] for b in moving), max(ends)
+            old_k, old_v = keys[..., u0:u1, :], values[..., u0:u1, :]
+            kc, kr, vc, vr = self.quantizer.quantize(self.layer_idx, old_k, old_v)
+            self._keep_exact(max(self.archived_until, u0), u1,
+                             *(t[..., max(self.archived_until, u0) - u0 :, :] for t in (old_k, old_v)))
+            for b in moving:
+                a, e = starts[b] - u0, ends[b] - u0
+                if self.track_error:
+                    self._track_error(0, old_k[b, :, a:e], kr[b, :, a:e])
+                    self._track_error(1, old_v[b, :, a:e], vr[b, :, a:e])
+                if self.quantizer.key_stages:
+                    self.keys[b, :, u0 + a : u0 + e] = kr[b, :, a:e]
+                if self.quantizer.value_stages:
+                    self.values[b, :, u0 + a : u0 + e] = vr[b, :, a:e]
+                if self.rows is not None:  # batch 1
+                    self.rows.add(self.layer_idx, kc[:, :, a:e], vc[:, :, a:e])
+            self.archived_until = max(self.archived_until, u1)
+        self.seq_ends = ends
+        return self._handed_over()
+
+    def _handed_over(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys and values for the attention function; with a transit, keys are a view of
+        their own that carries the layer."""
         if self.transit is None:
             return self.keys, self.values
-        keys = self.keys[...]  # a view of its own, carrying the layer to the attention function
+        keys = self.keys[...]
         setattr(keys, LAYER_ATTR, self)
         return keys, self.values
 
@@ -156,6 +203,10 @@ class ArchivingLayer(DynamicLayer):
         keep = crop_target(tokens_to_remove, length)
         if keep == length:
             return
+        if self.pads is not None and self.quantizer is not None:
+            self._crop_padded(keep)
+            super().crop(keep - length)
+            return
         new_until = min(self.archived_until, archive_end(keep, self.sinks, self.recent, self.block))
         if self.quantizer is not None and new_until < self.archived_until:
             if self.rows is not None:
@@ -185,22 +236,58 @@ class ArchivingLayer(DynamicLayer):
             self.archived_until = new_until if new_until > self.sinks else 0
         super().crop(keep - length)
 
-    # the exact copies follow the batch like keys and values do (beam search, repeats)
-    def _map_exact(self, fn) -> None:
+    def _crop_padded(self, keep: int) -> None:
+        """:meth:`crop`'s checks and restores for a left-padded batch, sequence by sequence."""
+        S, R, B = self.sinks, self.recent, self.block
+        ends = [min(e, p + archive_end(keep - p, S, R, B)) for e, p in zip(self.seq_ends, self.pads)]
+        back = [(b, max(e, p + S), min(old, keep)) for b, (e, p, old)
+                in enumerate(zip(ends, self.pads, self.seq_ends)) if min(old, keep) > max(e, p + S)]
+        if back and self.rows is not None:
+            raise ValueError(f"cannot crop layer {self.layer_idx} to {keep} positions: archived "
+                             "positions' codes already went to the rows collector")
+        need = min((lo for _, lo, _ in back), default=None)
+        if need is not None and (self.exact_k is None or need < self.exact_from):
+            raise ValueError(
+                f"cannot crop layer {self.layer_idx} to {keep} positions: position {need} would "
+                f"have to be exact again, and exact copies are kept only from "
+                f"{self.archived_until if self.exact_k is None else self.exact_from} "
+                f"(rewind {self.rewind})")
+        for b, lo, hi in back:
+            self.keys[b, :, lo:hi] = self.exact_k[b, :, lo - self.exact_from : hi - self.exact_from]
+            self.values[b, :, lo:hi] = self.exact_v[b, :, lo - self.exact_from : hi - self.exact_from]
+        self.archived_until = max(ends, default=0)
+        if self.exact_k is not None:
+            cut = max(0, self.archived_until - self.exact_from)
+            self.exact_k, self.exact_v = self.exact_k[..., :cut, :], self.exact_v[..., :cut, :]
+        self.seq_ends = ends
+        if keep == 0:
+            self.pads, self.pad_tensor, self.seq_ends = None, None, []
+
+    # the exact copies and the padding follow the batch like keys and values do (beam search,
+    # repeats)
+    def _map_exact(self, fn, order=None) -> None:
         if self.exact_k is not None:
             self.exact_k, self.exact_v = fn(self.exact_k), fn(self.exact_v)
+        if self.pads is not None and order is not None:
+            self.pads = [self.pads[i] for i in order]
+            self.seq_ends = [self.seq_ends[i] for i in order] if self.seq_ends else []
+            self.pad_tensor = torch.tensor(self.pads, device=self.pad_tensor.device)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self._map_exact(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        order = beam_idx.tolist() if self.pads is not None else None
+        self._map_exact(lambda t: t.index_select(0, beam_idx.to(t.device)), order)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        self._map_exact(lambda t: t.repeat_interleave(repeats, dim=0))
+        order = None if self.pads is None else [
+            i for i in range(len(self.pads)) for _ in range(repeats)]
+        self._map_exact(lambda t: t.repeat_interleave(repeats, dim=0), order)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        self._map_exact(lambda t: t[indices, ...])
+        order = torch.as_tensor(indices).tolist() if self.pads is not None else None
+        self._map_exact(lambda t: t[indices, ...], order)
 
     def reset(self) -> None:
         if self.archived_until > self.sinks:
@@ -291,6 +378,13 @@ class ArchivingCache(Cache):
         previous = self.layers[layer_idx - 1]  # the last layer, for layer 0
         if previous.transit is not None:
             raise unread_error(previous.layer_idx, "archiving cache")
+        if layer_idx == 0 and self.quantizer is not None and self.get_seq_length() == 0:
+            # a new sequence: its left padding, once (one read-back), from the position ids
+            pads = left_pads(kwargs, key_states.shape[-2])
+            for layer in self.layers:
+                layer.pads, layer.seq_ends = pads, []
+                layer.pad_tensor = None if pads is None else torch.tensor(
+                    pads, device=key_states.device)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def batch_repeat_interleave(self, repeats: int) -> None:

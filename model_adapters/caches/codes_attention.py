@@ -47,6 +47,7 @@ __all__ = [
     "LAYER_ATTR",
     "Transit",
     "codes_attention_forward",
+    "left_pads",
     "lookup_attention",
     "register_codes_attention",
     "require_codes_attention",
@@ -63,7 +64,9 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 class Transit:
     """Positions ``[lo, lo + n)`` that a multi-token forward archived while some of its queries
     still see them exact, with their exact K/V ``(batch, kv_heads, n, head_dim)``; ``sinks``,
-    ``recent`` and ``block`` are the cache's window (see :mod:`model_adapters.caches.window`)."""
+    ``recent`` and ``block`` are the cache's window (see :mod:`model_adapters.caches.window`);
+    ``pads``, ``(batch,)`` int64 or None (no padding), the left padding of each sequence, whose
+    window starts after its pads."""
 
     lo: int
     keys: torch.Tensor
@@ -71,10 +74,25 @@ class Transit:
     sinks: int
     recent: int
     block: int
+    pads: torch.Tensor | None = None
 
     @property
     def hi(self) -> int:
         return self.lo + self.keys.shape[2]
+
+
+def left_pads(update_kwargs: dict, length: int) -> list[int] | None:
+    """The left padding of each sequence, read from the ``position_ids`` a model hands
+    ``cache.update`` (transformers 5.24 passes them in ``kwargs``; ``generate`` numbers each
+    sequence's first real token 0): ``length - 1 - position_ids[:, -1]`` for a cache of
+    ``length`` positions after the update, None when nothing is padded or no position ids came.
+    Reads them back to the host (once per sequence: caches call this on their first update)."""
+    inner = update_kwargs.get("kwargs")
+    ids = (inner if isinstance(inner, dict) else update_kwargs).get("position_ids")
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+        return None
+    pads = [min(max(0, length - 1 - int(p)), length - 1) for p in ids[:, -1].tolist()]
+    return pads if any(pads) else None
 
 
 def transit_mask(
@@ -83,23 +101,40 @@ def transit_mask(
     """The attention mask over ``kv_len`` cache positions followed by the transit's exact
     copies, for the last ``q_len`` positions as queries.
 
-    Query ``p`` sees position ``j`` of the transit coded (the cache's column) when ``j <
-    archive_end(p + 1)``, exact (the appended column) otherwise; every other column keeps the
-    model's ``mask``. Args: ``mask`` broadcastable to ``(batch, heads, q_len, kv_len)``, boolean
-    (True attends) or additive float, or None (causal). Returns the same kind,
-    ``(..., q_len, kv_len + n)``. Device arithmetic only (no host synchronisation).
+    In sequence ``b`` (left padding ``P``, 0 without padding) position ``j`` is a pad below
+    ``P``, a sink below ``P + sinks``, and otherwise coded in the cache's column when ``j <
+    P + archive_end(kv_len - P)``. Query ``p`` sees it coded when ``j < P + archive_end(p + 1 -
+    P)`` and exact otherwise (:mod:`model_adapters.caches.window`): the cache's column where
+    that is its form, the appended exact copy where the column is coded but the query needs it
+    exact; every column also keeps the model's ``mask``. Args: ``mask`` broadcastable to
+    ``(batch, heads, q_len, kv_len)``, boolean (True attends) or additive float, or None
+    (causal). Returns the same kind, ``(..., q_len, kv_len + n)``. Device arithmetic only (no
+    host synchronisation).
     """
     t = transit
+    pads = 0 if t.pads is None else t.pads.to(device)[:, None, None, None]
     p = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-    # archive_end(p + 1) for every query, as window.archive_end computes it
-    bound = t.sinks + t.block * ((p + 1 - t.recent - t.sinks).clamp(min=0) // t.block)
+
+    def archive_end(n):  # window.archive_end in each sequence's own positions
+        return pads + t.sinks + t.block * ((n - pads - t.recent - t.sinks).clamp(min=0) // t.block)
+
+    def forms(j):  # (stored coded, seen coded, seen exact) for columns at positions j
+        body = j >= pads + t.sinks
+        bound = archive_end(p + 1)
+        coded = body & (j < archive_end(torch.tensor(kv_len, device=device)))
+        return coded, body & (j < bound), (j >= bound) & (j <= p)
+
     j = torch.arange(kv_len, device=device)
+    coded, sees_coded, _ = forms(j)
+    main = coded == sees_coded
     jt = j[t.lo : t.hi]
-    keep_coded = ~((j >= t.lo) & (j < t.hi) & (j >= bound))  # (q, kv)
-    keep_exact = (jt >= bound) & (jt <= p)  # (q, n)
-    select = torch.cat([keep_coded, keep_exact], -1)
+    coded_t, _, sees_exact_t = forms(jt)
+    extra = coded_t & sees_exact_t & (jt >= pads + t.sinks)
+    select = torch.cat([main.expand(*extra.shape[:-1], -1), extra], -1)
+    if select.ndim == 2:
+        select = select[None, None]
     if mask is None:
-        return torch.cat([(j <= p) & keep_coded, keep_exact], -1)[None, None]
+        return select & torch.cat([j <= p, jt <= p], -1)
     mask = mask[..., :kv_len]
     full = torch.cat([mask, mask[..., t.lo : t.hi]], -1)
     if full.dtype == torch.bool:
