@@ -127,18 +127,19 @@ class ArchivingLayer(DynamicLayer):
         n, (S, R, B), pads = keys.shape[-2], (self.sinks, self.recent, self.block), self.pads
         ends = [p + archive_end(n - p, S, R, B) for p in pads]
         starts = self.seq_ends or [p + S for p in pads]
-        los = [max(a, p + archive_end(n - chunk + 1 - p, S, R, B)) for a, p in zip(starts, pads)]
+        los = [max(a, p + archive_end(n - chunk + 1 - p, S, R, B))
+               for a, p in zip(starts, pads, strict=True)]
         moving = [b for b in range(len(pads)) if ends[b] > starts[b]]
-        if chunk > 1 and any(e > lo for e, lo in zip(ends, los)):
-            lo, hi = min(lo for e, lo in zip(ends, los) if e > lo), max(ends)
+        if chunk > 1 and any(e > lo for e, lo in zip(ends, los, strict=True)):
+            lo, hi = min(lo for e, lo in zip(ends, los, strict=True) if e > lo), max(ends)
             self.transit = Transit(lo, keys[..., lo:hi, :].clone(), values[..., lo:hi, :].clone(),
                                    S, R, B, self.pad_tensor)
         if moving:
             u0, u1 = min(starts[b] for b in moving), max(ends)
             old_k, old_v = keys[..., u0:u1, :], values[..., u0:u1, :]
             kc, kr, vc, vr = self.quantizer.quantize(self.layer_idx, old_k, old_v)
-            self._keep_exact(max(self.archived_until, u0), u1,
-                             *(t[..., max(self.archived_until, u0) - u0 :, :] for t in (old_k, old_v)))
+            first = max(self.archived_until, u0)  # exact copies: see _keep_exact
+            self._keep_exact(first, u1, old_k[..., first - u0 :, :], old_v[..., first - u0 :, :])
             for b in moving:
                 a, e = starts[b] - u0, ends[b] - u0
                 if self.track_error:
@@ -239,9 +240,11 @@ class ArchivingLayer(DynamicLayer):
     def _crop_padded(self, keep: int) -> None:
         """:meth:`crop`'s checks and restores for a left-padded batch, sequence by sequence."""
         S, R, B = self.sinks, self.recent, self.block
-        ends = [min(e, p + archive_end(keep - p, S, R, B)) for e, p in zip(self.seq_ends, self.pads)]
+        ends = [min(e, p + archive_end(keep - p, S, R, B))
+                for e, p in zip(self.seq_ends, self.pads, strict=True)]
         back = [(b, max(e, p + S), min(old, keep)) for b, (e, p, old)
-                in enumerate(zip(ends, self.pads, self.seq_ends)) if min(old, keep) > max(e, p + S)]
+                in enumerate(zip(ends, self.pads, self.seq_ends, strict=True))
+                if min(old, keep) > max(e, p + S)]
         if back and self.rows is not None:
             raise ValueError(f"cannot crop layer {self.layer_idx} to {keep} positions: archived "
                              "positions' codes already went to the rows collector")
@@ -253,8 +256,9 @@ class ArchivingLayer(DynamicLayer):
                 f"{self.archived_until if self.exact_k is None else self.exact_from} "
                 f"(rewind {self.rewind})")
         for b, lo, hi in back:
-            self.keys[b, :, lo:hi] = self.exact_k[b, :, lo - self.exact_from : hi - self.exact_from]
-            self.values[b, :, lo:hi] = self.exact_v[b, :, lo - self.exact_from : hi - self.exact_from]
+            src = slice(lo - self.exact_from, hi - self.exact_from)
+            self.keys[b, :, lo:hi] = self.exact_k[b, :, src]
+            self.values[b, :, lo:hi] = self.exact_v[b, :, src]
         self.archived_until = max(ends, default=0)
         if self.exact_k is not None:
             cut = max(0, self.archived_until - self.exact_from)

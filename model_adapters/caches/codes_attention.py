@@ -262,7 +262,7 @@ def codes_attention_forward(
                                        dropout=dropout, scaling=scaling, **kwargs)
     cache = layer.coded_cache()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if query.shape[2] == 1 and cache.archived:
+    if query.shape[2] == 1 and cache.archived and layer.pads is None:
         step = query[:, :, 0]
         if _kernel_path(layer.backend, step, cache) and _all_visible(attention_mask):
             cache = layer.checked_for_kernels(step, cache)

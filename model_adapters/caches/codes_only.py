@@ -26,9 +26,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kernels import BACKENDS, CodedCache, validate_coded_cache
 from model_adapters.caches.codes_attention import (
-    CODES_ATTENTION,
+    CODES_ATTENTION,  # noqa: F401 (named in the docstrings; importable from here as before)
     LAYER_ATTR,
     Transit,
+    left_pads,
     require_codes_attention,
     unread_error,
     use_codes_attention,
@@ -101,6 +102,10 @@ class CodesOnlyLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.cache = cache
         self.transit: Transit | None = None  # for this forward's attention call (see update)
+        # left padding per sequence (None: none), set by the cache on its first update; then
+        # sink_k/sink_v (batch, kv_heads, sinks, d) hold each sequence's first real tokens
+        self.pads: list[int] | None = None
+        self.pad_tensor: torch.Tensor | None = None
         self.length = 0
         self.archived_end = cache.sinks
         self.tail_start = cache.sinks
@@ -145,7 +150,9 @@ class CodesOnlyLayer(CacheLayerMixin):
         if key_states.shape[2] > 1 and end > lo:
             a, b = lo - self.tail_start, end - self.tail_start
             self.transit = Transit(lo, self.tail_k[:, :, a:b], self.tail_v[:, :, a:b],
-                                   sinks, recent, c.block)
+                                   sinks, recent, c.block, self.pad_tensor)
+        if self.pads is not None:
+            self._keep_sinks(key_states, value_states)
         if end > self.archived_end:
             self._archive(end)
         # the layer rides on a fresh view so the attention function can find the codes
@@ -153,6 +160,23 @@ class CodesOnlyLayer(CacheLayerMixin):
         values = self.tail_v[:, :, self.archived_end - self.tail_start :]
         setattr(keys, LAYER_ATTR, self)
         return keys, values
+
+    def _keep_sinks(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Copy each padded sequence's sink positions that this chunk brings into ``sink_k`` /
+        ``sink_v``: the archive is laid out by position for the whole batch (block 1), so a
+        sequence whose sinks lie past the batch's first ``sinks`` positions gets them coded
+        there, and attention reads them from here (see :meth:`dense`)."""
+        first = self.length - key_states.shape[2]
+        if first == 0:
+            b, h, _, d = key_states.shape
+            self.sink_k = key_states.new_zeros(b, h, self.cache.sinks, d)
+            self.sink_v = value_states.new_zeros(b, h, self.cache.sinks, d)
+        for b, pad in enumerate(self.pads):
+            lo, hi = max(0, first - pad), min(self.cache.sinks, self.length - pad)
+            if hi > lo:
+                src = slice(pad + lo - first, pad + hi - first)
+                self.sink_k[b, :, lo:hi] = key_states[b, :, src]
+                self.sink_v[b, :, lo:hi] = value_states[b, :, src]
 
     def _archive(self, end: int) -> None:
         start = self.archived_end
@@ -250,7 +274,12 @@ class CodesOnlyLayer(CacheLayerMixin):
             vs.append(decode(self.value_codes[:, :, :n], vb, dtype, trusted=True))
         ks.append(self.tail_k[:, :, cut:].to(dtype))
         vs.append(self.tail_v[:, :, cut:].to(dtype))
-        return torch.cat(ks, 2), torch.cat(vs, 2)
+        k, v = torch.cat(ks, 2), torch.cat(vs, 2)
+        for b, pad in enumerate(self.pads or ()):  # each sequence's own sinks, exact
+            n = max(0, min(self.cache.sinks, self.length - pad))
+            k[b, :, pad : pad + n] = self.sink_k[b, :, :n].to(dtype)
+            v[b, :, pad : pad + n] = self.sink_v[b, :, :n].to(dtype)
+        return k, v
 
     def load_state(
         self,
@@ -312,25 +341,34 @@ class CodesOnlyLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.is_initialized = False
-        self.transit = None
+        self.transit = self.pads = self.pad_tensor = None
         self.length = 0
         self.archived_end = self.tail_start = self.cache.sinks
 
     # --- batch manipulation (generate: beams, multiple return sequences) -----------------------
-    def _map_batch(self, fn) -> None:
+    def _map_batch(self, fn, order=None) -> None:
         if not self.is_initialized:
             return
-        for name in ("head_k", "head_v", "tail_k", "tail_v", "key_codes", "value_codes"):
+        names = ["head_k", "head_v", "tail_k", "tail_v", "key_codes", "value_codes"]
+        if self.pads is not None:
+            names += ["sink_k", "sink_v"]
+            self.pads = [self.pads[i] for i in order]
+            self.pad_tensor = torch.tensor(self.pads, device=self.pad_tensor.device)
+        for name in names:
             setattr(self, name, fn(getattr(self, name)))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        order = beam_idx.tolist() if self.pads is not None else None
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), order)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        order = None if self.pads is None else [
+            i for i in range(len(self.pads)) for _ in range(repeats)]
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0), order)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
+        order = torch.as_tensor(indices).tolist() if self.pads is not None else None
+        self._map_batch(lambda t: t[indices], order)
 
     def offload(self):
         raise NotImplementedError("the codes-only cache does not offload (it is small already)")
@@ -431,9 +469,26 @@ class CodesOnlyCache(Cache):
             self.rows.check_batch(key_states.shape[0])
         if self.unread_layer is not None:
             raise unread_error(self.unread_layer, "codes-only cache")
+        if layer_idx == 0 and self.get_seq_length() == 0:
+            self._start_sequence(key_states, kwargs)
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         self.unread_layer = layer_idx
         return out
+
+    def _start_sequence(self, key_states: torch.Tensor, update_kwargs: dict) -> None:
+        """A new sequence: its left padding, once (one read-back), from the position ids.
+        ValueError, before any layer changes, for what padded batches cannot do here."""
+        pads = left_pads(update_kwargs, key_states.shape[2])
+        if pads is not None and (self.block != 1 or self.rows is not None or self.archive_hooks):
+            raise ValueError(
+                f"a left-padded batch (pads {pads}) needs block=1 and no rows collector or "
+                f"archive in the codes-only cache (got block={self.block}); run the sequences "
+                "unpadded, or use ArchivingCache"
+            )
+        for layer in self.layers:
+            layer.pads = pads
+            layer.pad_tensor = None if pads is None else torch.tensor(
+                pads, device=key_states.device)
 
     def reset(self) -> None:
         """Empty every layer; refused once codes went to a collector or an archive."""

@@ -23,7 +23,6 @@ from model_adapters.caches.archiving import ArchivingCache
 from model_adapters.caches.code_rows import CodeRows
 from model_adapters.caches.codes_attention import CODES_ATTENTION, lookup_attention
 from model_adapters.caches.codes_only import CodesOnlyCache, dense_cache_bytes, use_codes_attention
-from model_adapters.caches.window import DEFAULT_REWIND
 from model_adapters.models import cache_kwarg
 from model_adapters.quant.rvq import decode
 
@@ -211,16 +210,17 @@ def test_live_bytes_stay_flat_while_dynamic_cache_grows(arch):
     model = use_codes_attention(TINY_MODELS[arch](vocab_size=101))
     q = random_quantizer(model)
     kw = cache_kwarg(model)
-    codes, dyn = CodesOnlyCache(model, q, sinks=4, recent=8), DynamicCache(config=model.config)
+    # no rewind margin (default 32 positions, as large as this whole test's window)
+    codes = CodesOnlyCache(model, q, sinks=4, recent=8, rewind=0)
+    dyn = DynamicCache(config=model.config)
     ids = torch.randint(2, 100, (1, 120), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         model(ids, **{kw: codes})
         model(ids, **{kw: dyn})
     live = codes.live_bytes()
     shape = codes.shape
-    # window: sinks + recent + rewind exact positions, float32, K and V, every layer
-    exact = 4 + 8 + DEFAULT_REWIND
-    assert live["window"] == shape.num_layers * 2 * shape.kv_heads * exact * shape.head_dim * 4
+    # window: sinks + recent exact positions, float32, K and V, every layer
+    assert live["window"] == shape.num_layers * 2 * shape.kv_heads * 12 * shape.head_dim * 4
     # codes: one uint8 per stage, at the buffer's allocated capacity (at least what is used)
     used = shape.num_layers * shape.kv_heads * 108 * (q.key_stages + q.value_stages)
     assert used <= live["codes"] <= 256 * used // 108
