@@ -256,13 +256,15 @@ def codes_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    transit = layer.take_transit()
+    # layers written before chunk invariance (no take_transit, no pads) keep working as before
+    take_transit = getattr(layer, "take_transit", None)
+    transit = take_transit() if take_transit is not None else None
     if not hasattr(layer, "coded_cache"):  # an archiving layer: its keys hold every position
         return chunk_attention_forward(module, query, key, value, attention_mask, transit,
                                        dropout=dropout, scaling=scaling, **kwargs)
     cache = layer.coded_cache()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if query.shape[2] == 1 and cache.archived and layer.pads is None:
+    if query.shape[2] == 1 and cache.archived and getattr(layer, "pads", None) is None:
         step = query[:, :, 0]
         if _kernel_path(layer.backend, step, cache) and _all_visible(attention_mask):
             cache = layer.checked_for_kernels(step, cache)
