@@ -29,8 +29,8 @@ import torch  # noqa: E402
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from model_adapters.caches.archiving import ArchivingCache  # noqa: E402
-from model_adapters.caches.codes_attention import use_codes_attention  # noqa: E402
 from model_adapters.caches.code_rows import CodeRows  # noqa: E402
+from model_adapters.caches.codes_attention import use_codes_attention  # noqa: E402
 from model_adapters.models import (
     cache_kwarg,  # noqa: E402
     kv_shape,  # noqa: E402
