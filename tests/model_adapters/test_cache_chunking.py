@@ -6,10 +6,11 @@ logits agree with the token-by-token run (the oracle) to float64 rounding."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 from adapters_fixtures import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from serving_fixtures import model_pair, random_quantizer
 
@@ -69,6 +70,7 @@ def chunkings(draw):
     return sizes
 
 
+@settings(max_examples=2000 if os.environ.get("FKV_DEEP") else 25)
 @given(
     kind=st.sampled_from(["archiving", "codes_only"]),
     arch=st.sampled_from(["gpt2", "qwen3"]),
