@@ -30,6 +30,7 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from model_adapters.caches.archiving import ArchivingCache  # noqa: E402
 from model_adapters.caches.code_rows import CodeRows  # noqa: E402
+from model_adapters.caches.codes_attention import use_codes_attention  # noqa: E402
 from model_adapters.models import (
     cache_kwarg,  # noqa: E402
     kv_shape,  # noqa: E402
@@ -82,7 +83,8 @@ def main(argv=None) -> int:
         bos_token_id=50256,
         eos_token_id=50256,
     )
-    model = GPT2LMHeadModel(cfg).eval()
+    # the codes attention: the archiving cache's prefill shows its early queries exact positions
+    model = use_codes_attention(GPT2LMHeadModel(cfg).eval())
     shape = kv_shape(model)
     qcfg = parse_config(args.config)
     gen = torch.Generator().manual_seed(1)

@@ -7,10 +7,18 @@ its K and V overwritten by their residual-VQ reconstruction, and its codes go to
 :class:`~model_adapters.caches.code_rows.CodeRows` collector (one archive row per token). The
 query of the step that ages a position out already sees its reconstruction.
 
-With ``block > 1`` positions leave the window in groups: nothing is quantized until at least
-``block`` positions have left it, then all of them are. The exact window then holds between
+With ``block > 1`` positions leave the window in groups of ``block`` aligned on ``sinks``
+(:func:`~model_adapters.caches.window.archive_end`). The exact window then holds between
 ``recent`` and ``recent + block - 1`` positions, and the codebooks are read once per group
 instead of once per decode step.
+
+Chunk invariance: every query sees each earlier position as token-by-token decoding would. In
+a multi-token forward, the positions archived during the chunk are handed to the attention
+function with their exact copies (a :class:`~model_adapters.caches.codes_attention.Transit`),
+so such forwards need the model on
+:data:`~model_adapters.caches.codes_attention.CODES_ATTENTION`
+(:func:`~model_adapters.caches.codes_attention.use_codes_attention`); single-token steps run
+under any attention implementation.
 """
 
 from __future__ import annotations
@@ -19,8 +27,20 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from model_adapters.caches.code_rows import CodeRows
+from model_adapters.caches.codes_attention import (
+    LAYER_ATTR,
+    Transit,
+    left_pads,
+    unread_error,
+)
 from model_adapters.caches.sharing import deepcopy_sharing
-from model_adapters.caches.window import check_window, crop_target
+from model_adapters.caches.window import (
+    DEFAULT_REWIND,
+    archive_end,
+    check_window,
+    crop_target,
+    shortest_crop,
+)
 from model_adapters.models import KVShape, kv_shape
 from model_adapters.quant.quantizer import KVQuantizer
 
@@ -33,8 +53,6 @@ class ArchivingLayer(DynamicLayer):
     Keys and values are ``(batch, kv_heads, seq, head_dim)`` in the model's dtype.
     """
 
-    is_croppable = False
-
     def __init__(
         self,
         layer_idx: int,
@@ -44,6 +62,7 @@ class ArchivingLayer(DynamicLayer):
         rows: CodeRows | None,
         track_error: bool = False,
         block: int = 1,
+        rewind: int = DEFAULT_REWIND,
     ):
         super().__init__()
         self.layer_idx = layer_idx
@@ -51,10 +70,19 @@ class ArchivingLayer(DynamicLayer):
         self.sinks = sinks
         self.recent = recent
         self.block = block
+        self.rewind = rewind
         self.rows = rows
+        # codes handed to a collector cannot be taken back: generate must not plan on crops
+        self.is_croppable = rows is None or quantizer is None
         self.track_error = track_error
         self.archived_until = 0  # positions [sinks, archived_until) hold reconstructions
-        # exact K/V of the last ``recent`` archived positions, [exact_from, archived_until): what
+        self.transit: Transit | None = None  # for this forward's attention call (see update)
+        # left padding per sequence (None: none), set by the cache on its first update; then
+        # sequence b's window starts at pads[b] and its archive ends at seq_ends[b]
+        self.pads: list[int] | None = None
+        self.pad_tensor: torch.Tensor | None = None
+        self.seq_ends: list[int] = []
+        # exact K/V of the last ``rewind`` archived positions, [exact_from, archived_until): what
         # crop needs to make positions exact again that a fresh run would still hold exact
         self.exact_from = 0
         self.exact_k: torch.Tensor | None = None
@@ -66,9 +94,17 @@ class ArchivingLayer(DynamicLayer):
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         if self.quantizer is None:
             return keys, values
-        end = keys.shape[-2] - self.recent
+        if self.pads is not None:
+            return self._update_padded(keys, values, key_states.shape[-2])
+        length, chunk = keys.shape[-2], key_states.shape[-2]
+        end = archive_end(length, self.sinks, self.recent, self.block)
         start = max(self.archived_until, self.sinks)
-        if end - start >= self.block:
+        # the positions archived here that earlier queries of this chunk still see exact
+        lo = max(start, archive_end(length - chunk + 1, self.sinks, self.recent, self.block))
+        if chunk > 1 and end > lo:
+            self.transit = Transit(lo, keys[..., lo:end, :].clone(), values[..., lo:end, :].clone(),
+                                   self.sinks, self.recent, self.block)
+        if end > start:
             old_k, old_v = keys[..., start:end, :], values[..., start:end, :]
             kc, kr, vc, vr = self.quantizer.quantize(self.layer_idx, old_k, old_v)
             if self.track_error:
@@ -82,17 +118,67 @@ class ArchivingLayer(DynamicLayer):
             if self.rows is not None:
                 self.rows.add(self.layer_idx, kc, vc)
             self.archived_until = end
-        return self.keys, self.values
+        return self._handed_over()
+
+    def _update_padded(self, keys: torch.Tensor, values: torch.Tensor, chunk: int):
+        """:meth:`update` for a left-padded batch: each sequence archives in its own positions
+        (after its pads), so its sinks are its first real tokens and pads are never archived.
+        The codebooks are read once for the union of the sequences' new positions."""
+        n, (S, R, B), pads = keys.shape[-2], (self.sinks, self.recent, self.block), self.pads
+        ends = [p + archive_end(n - p, S, R, B) for p in pads]
+        starts = self.seq_ends or [p + S for p in pads]
+        los = [max(a, p + archive_end(n - chunk + 1 - p, S, R, B))
+               for a, p in zip(starts, pads, strict=True)]
+        moving = [b for b in range(len(pads)) if ends[b] > starts[b]]
+        if chunk > 1 and any(e > lo for e, lo in zip(ends, los, strict=True)):
+            lo, hi = min(lo for e, lo in zip(ends, los, strict=True) if e > lo), max(ends)
+            self.transit = Transit(lo, keys[..., lo:hi, :].clone(), values[..., lo:hi, :].clone(),
+                                   S, R, B, self.pad_tensor)
+        if moving:
+            u0, u1 = min(starts[b] for b in moving), max(ends)
+            old_k, old_v = keys[..., u0:u1, :], values[..., u0:u1, :]
+            kc, kr, vc, vr = self.quantizer.quantize(self.layer_idx, old_k, old_v)
+            first = max(self.archived_until, u0)  # exact copies: see _keep_exact
+            self._keep_exact(first, u1, old_k[..., first - u0 :, :], old_v[..., first - u0 :, :])
+            for b in moving:
+                a, e = starts[b] - u0, ends[b] - u0
+                if self.track_error:
+                    self._track_error(0, old_k[b, :, a:e], kr[b, :, a:e])
+                    self._track_error(1, old_v[b, :, a:e], vr[b, :, a:e])
+                if self.quantizer.key_stages:
+                    self.keys[b, :, u0 + a : u0 + e] = kr[b, :, a:e]
+                if self.quantizer.value_stages:
+                    self.values[b, :, u0 + a : u0 + e] = vr[b, :, a:e]
+                if self.rows is not None:  # batch 1
+                    self.rows.add(self.layer_idx, kc[:, :, a:e], vc[:, :, a:e])
+            self.archived_until = max(self.archived_until, u1)
+        self.seq_ends = ends
+        return self._handed_over()
+
+    def _handed_over(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys and values for the attention function; with a transit, keys are a view of
+        their own that carries the layer."""
+        if self.transit is None:
+            return self.keys, self.values
+        keys = self.keys[...]
+        setattr(keys, LAYER_ATTR, self)
+        return keys, self.values
+
+    def take_transit(self) -> Transit | None:
+        """This forward's transit (None if no position left the window inside the chunk),
+        handed over once: the attention function calls this."""
+        transit, self.transit = self.transit, None
+        return transit
 
     def _keep_exact(self, start: int, end: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append the exact ``(batch, kv_heads, end - start, head_dim)`` K/V about to be
-        overwritten, keeping only the last ``recent`` archived positions."""
+        overwritten, keeping only the last ``rewind`` archived positions."""
         if self.exact_k is None or self.exact_from + self.exact_k.shape[-2] != start:
             self.exact_k, self.exact_v, self.exact_from = k[..., :0, :], v[..., :0, :], start
-        first = max(self.exact_from, end - self.recent)
-        drop = first - self.exact_from
-        self.exact_k = torch.cat([self.exact_k[..., drop:, :], k[..., first - start :, :]], -2)
-        self.exact_v = torch.cat([self.exact_v[..., drop:, :], v[..., first - start :, :]], -2)
+        first = max(self.exact_from, end - self.rewind)
+        drop, skip = first - self.exact_from, max(first, start) - start
+        self.exact_k = torch.cat([self.exact_k[..., drop:, :], k[..., skip:, :]], -2)
+        self.exact_v = torch.cat([self.exact_v[..., drop:, :], v[..., skip:, :]], -2)
         self.exact_from = first
 
     def _track_error(self, side: int, x: torch.Tensor, recon: torch.Tensor) -> None:
@@ -108,63 +194,109 @@ class ArchivingLayer(DynamicLayer):
         transformers conventions, :func:`~model_adapters.caches.window.crop_target`), ``0`` does
         nothing.
 
-        Continuing after a crop computes what a fresh run on the kept tokens computes: archived
-        positions that such a run would still hold exact (those at or past ``keep + 1 -
-        recent``) get their exact K/V back from the copies kept of the last ``recent`` archived
-        positions. ValueError, before anything changes, when that needs positions older than
-        those copies, or positions whose codes already went to a rows collector.
+        The layer is left as a fresh run on the kept tokens leaves it: archived positions at or
+        past ``archive_end(keep)`` get their exact K/V back from the copies kept of the last
+        ``rewind`` archived positions. ValueError, before anything changes, when that needs
+        positions older than those copies, or positions whose codes already went to a rows
+        collector.
         """
         length = self.get_seq_length()
         keep = crop_target(tokens_to_remove, length)
         if keep == length:
             return
-        # the next chunk's queries all see reconstructions below keep + 1 - recent anyway
-        new_until = min(self.archived_until, keep, max(keep + 1 - self.recent, self.sinks))
-        if new_until < self.archived_until:
+        if self.pads is not None and self.quantizer is not None:
+            self._crop_padded(keep)
+            super().crop(keep - length)
+            return
+        new_until = min(self.archived_until, archive_end(keep, self.sinks, self.recent, self.block))
+        if self.quantizer is not None and new_until < self.archived_until:
             if self.rows is not None:
+                shortest = shortest_crop(self.archived_until, self.sinks, self.recent, self.block)
                 raise ValueError(
                     f"cannot crop layer {self.layer_idx} to {keep} positions: positions up to "
                     f"{self.archived_until} are already archived and their codes went to the "
-                    f"rows collector (crop to at least "
-                    f"{self.archived_until + max(self.recent - 1, 0)})"
+                    f"rows collector (crop to at least {shortest})"
                 )
             lo_pos, hi_pos = max(new_until, self.sinks), min(self.archived_until, keep)
             if lo_pos < hi_pos:  # positions past keep are dropped, not restored
                 if self.exact_k is None or lo_pos < self.exact_from:
                     lowest = self.archived_until if self.exact_k is None else self.exact_from
+                    shortest = shortest_crop(lowest, self.sinks, self.recent, self.block)
                     raise ValueError(
                         f"cannot crop layer {self.layer_idx} to {keep} positions: positions up "
                         f"to {self.archived_until} are already archived and exact copies are "
-                        f"kept only from {lowest} (crop to at least {lowest + self.recent - 1}, "
-                        f"or to at most {self.sinks})"
+                        f"kept only from {lowest} (rewind {self.rewind}; crop to at least "
+                        f"{shortest}, or to at most {self.sinks})"
                     )
                 lo, hi = lo_pos - self.exact_from, hi_pos - self.exact_from
                 self.keys[..., lo_pos:hi_pos, :] = self.exact_k[..., lo:hi, :]
                 self.values[..., lo_pos:hi_pos, :] = self.exact_v[..., lo:hi, :]
-                self.exact_k, self.exact_v = self.exact_k[..., :lo, :], self.exact_v[..., :lo, :]
+            if self.exact_k is not None:
+                cut = max(0, new_until - self.exact_from)
+                self.exact_k, self.exact_v = self.exact_k[..., :cut, :], self.exact_v[..., :cut, :]
             self.archived_until = new_until if new_until > self.sinks else 0
         super().crop(keep - length)
 
-    # the exact copies follow the batch like keys and values do (beam search, repeats)
-    def _map_exact(self, fn) -> None:
+    def _crop_padded(self, keep: int) -> None:
+        """:meth:`crop`'s checks and restores for a left-padded batch, sequence by sequence."""
+        S, R, B = self.sinks, self.recent, self.block
+        ends = [min(e, p + archive_end(keep - p, S, R, B))
+                for e, p in zip(self.seq_ends, self.pads, strict=True)]
+        back = [(b, max(e, p + S), min(old, keep)) for b, (e, p, old)
+                in enumerate(zip(ends, self.pads, self.seq_ends, strict=True))
+                if min(old, keep) > max(e, p + S)]
+        if back and self.rows is not None:
+            raise ValueError(f"cannot crop layer {self.layer_idx} to {keep} positions: archived "
+                             "positions' codes already went to the rows collector")
+        need = min((lo for _, lo, _ in back), default=None)
+        if need is not None and (self.exact_k is None or need < self.exact_from):
+            raise ValueError(
+                f"cannot crop layer {self.layer_idx} to {keep} positions: position {need} would "
+                f"have to be exact again, and exact copies are kept only from "
+                f"{self.archived_until if self.exact_k is None else self.exact_from} "
+                f"(rewind {self.rewind})")
+        for b, lo, hi in back:
+            src = slice(lo - self.exact_from, hi - self.exact_from)
+            self.keys[b, :, lo:hi] = self.exact_k[b, :, src]
+            self.values[b, :, lo:hi] = self.exact_v[b, :, src]
+        self.archived_until = max(ends, default=0)
+        if self.exact_k is not None:
+            cut = max(0, self.archived_until - self.exact_from)
+            self.exact_k, self.exact_v = self.exact_k[..., :cut, :], self.exact_v[..., :cut, :]
+        self.seq_ends = ends
+        if keep == 0:
+            self.pads, self.pad_tensor, self.seq_ends = None, None, []
+
+    # the exact copies and the padding follow the batch like keys and values do (beam search,
+    # repeats)
+    def _map_exact(self, fn, order=None) -> None:
         if self.exact_k is not None:
             self.exact_k, self.exact_v = fn(self.exact_k), fn(self.exact_v)
+        if self.pads is not None and order is not None:
+            self.pads = [self.pads[i] for i in order]
+            self.seq_ends = [self.seq_ends[i] for i in order] if self.seq_ends else []
+            self.pad_tensor = torch.tensor(self.pads, device=self.pad_tensor.device)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self._map_exact(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        order = beam_idx.tolist() if self.pads is not None else None
+        self._map_exact(lambda t: t.index_select(0, beam_idx.to(t.device)), order)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        self._map_exact(lambda t: t.repeat_interleave(repeats, dim=0))
+        order = None if self.pads is None else [
+            i for i in range(len(self.pads)) for _ in range(repeats)]
+        self._map_exact(lambda t: t.repeat_interleave(repeats, dim=0), order)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        self._map_exact(lambda t: t[indices, ...])
+        order = torch.as_tensor(indices).tolist() if self.pads is not None else None
+        self._map_exact(lambda t: t[indices, ...], order)
 
     def reset(self) -> None:
-        if self.archived_until:
+        if self.archived_until > self.sinks:
             raise ValueError("an archiving cache cannot be reset after it archived positions")
+        self.archived_until, self.transit = 0, None
         super().reset()
 
 
@@ -182,10 +314,20 @@ class ArchivingCache(Cache):
         rows: collector receiving one row of codes per archived token (None: codes dropped).
         track_error: accumulate reconstruction errors for :meth:`reconstruction_nmse` (costs a
             little time per step).
-        block: quantize positions leaving the window in groups of at least this many (the
-            window then holds up to ``recent + block - 1`` exact positions); 1 quantizes each
-            position on the step it leaves. Larger groups read the codebooks once per group,
-            which is most of the per-step cost on a CPU (see docs/adapters.md).
+        block: quantize positions leaving the window in groups of this many, aligned on
+            ``sinks`` (the window then holds up to ``recent + block - 1`` exact positions); 1
+            quantizes each position on the step it leaves. Larger groups read the codebooks once
+            per group, which is most of the per-step cost on a CPU (see docs/adapters.md).
+        rewind: archived positions whose exact K/V each layer keeps a copy of, so that
+            ``crop`` back by up to ``rewind - block + 1`` positions leaves the state of a fresh
+            run (the default covers transformers' assistant, 20 draft tokens per round).
+
+    A multi-token forward that archives positions shows its earlier queries those positions
+    exact (chunk invariance, see the module), which needs the model on
+    :data:`~model_adapters.caches.codes_attention.CODES_ATTENTION`
+    (:func:`~model_adapters.caches.codes_attention.use_codes_attention`); on another attention
+    implementation such a forward raises RuntimeError at the next layer's update (start a new
+    cache after switching). Single-token steps, and chunks that archive nothing, run on any.
 
     Use as ``model(input_ids, cache=c)`` / ``model.generate(..., cache=c)`` (see
     :func:`~model_adapters.models.cache_kwarg` for the argument name this transformers version
@@ -202,13 +344,15 @@ class ArchivingCache(Cache):
         rows: CodeRows | None = None,
         track_error: bool = False,
         block: int = 1,
+        rewind: int = DEFAULT_REWIND,
     ):
         shape: KVShape = kv_shape(model_or_config)
-        check_window(sinks=sinks, recent=recent, block=block)
+        check_window(sinks=sinks, recent=recent, block=block, rewind=rewind)
         if quantizer is not None:
             quantizer.check_model(model_or_config)
             if quantizer.key_stages == 0 and quantizer.value_stages == 0:
                 quantizer = None
+
         if rows is not None and quantizer is not None and rows.num_layers != shape.num_layers:
             raise ValueError(
                 f"rows collector has {rows.num_layers} layers, model has {shape.num_layers}"
@@ -219,8 +363,9 @@ class ArchivingCache(Cache):
         self.recent = recent
         self.rows = rows
         self.block = block
+        self.rewind = rewind
         layers = [
-            ArchivingLayer(i, quantizer, sinks, recent, rows, track_error, block)
+            ArchivingLayer(i, quantizer, sinks, recent, rows, track_error, block, rewind)
             for i in range(shape.num_layers)
         ]
         super().__init__(layers=layers)
@@ -234,6 +379,16 @@ class ArchivingCache(Cache):
         # would otherwise fail in the first layer that archives, leaving layers out of step
         if self.rows is not None and self.quantizer is not None:
             self.rows.check_batch(key_states.shape[0])
+        previous = self.layers[layer_idx - 1]  # the last layer, for layer 0
+        if previous.transit is not None:
+            raise unread_error(previous.layer_idx, "archiving cache")
+        if layer_idx == 0 and self.quantizer is not None and self.get_seq_length() == 0:
+            # a new sequence: its left padding, once (one read-back), from the position ids
+            pads = left_pads(kwargs, key_states.shape[-2])
+            for layer in self.layers:
+                layer.pads, layer.seq_ends = pads, []
+                layer.pad_tensor = None if pads is None else torch.tensor(
+                    pads, device=key_states.device)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def batch_repeat_interleave(self, repeats: int) -> None:

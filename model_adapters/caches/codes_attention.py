@@ -15,15 +15,25 @@ codebooks, recents: the one representation of a decode step's cache the kernels 
   archived position instead of decoding the archive (``docs/serving.md``, "Decode on a CPU");
 - one query token with masked positions (left-padded batches): :func:`lookup_attention`;
 - several query tokens (prefill, chunked prefill, verification of draft tokens): the layer's codes
-  are decoded into a dense K/V that lives only for this call, and the usual SDPA runs with the
-  model's mask. This reproduces the archiving cache, whose prefill queries also see the
-  reconstructions, at the cost of one layer's dense K/V for the duration of one attention call.
+  are decoded into a dense K/V that lives only for this call (one layer's dense K/V for the
+  duration of one attention call), and SDPA runs over it as below.
+
+Chunk invariance. A query at position ``p`` must see the cache as token-by-token decoding would:
+positions archived once ``p + 1`` positions are held (:func:`~model_adapters.caches.window.
+archive_end`) coded, the others exact. In a multi-token forward the positions that leave the
+window inside the chunk (a :class:`Transit`, handed over by either cache's ``update``) are coded
+for the later queries and exact for the earlier ones: they are attended in both forms, their
+exact copies appended after the cache's positions, and a per-query mask (:func:`transit_mask`)
+picks one form for each query. The archiving cache hands its layer over the same way when a
+chunk has a transit, so it too needs this attention function for multi-token forwards.
 
 Tensors that carry no layer (another cache, or no cache) go to transformers' SDPA unchanged, so a
 model switched to this implementation still works with any other cache.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -35,15 +45,113 @@ from kernels import CODE_DTYPE_LIMITS, CodedCache
 __all__ = [
     "CODES_ATTENTION",
     "LAYER_ATTR",
+    "Transit",
     "codes_attention_forward",
+    "left_pads",
     "lookup_attention",
     "register_codes_attention",
+    "require_codes_attention",
+    "transit_mask",
     "use_codes_attention",
 ]
 
 CODES_ATTENTION = "fkv_codes"
 LAYER_ATTR = "_fkv_codes_layer"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Transit:
+    """Positions ``[lo, lo + n)`` that a multi-token forward archived while some of its queries
+    still see them exact, with their exact K/V ``(batch, kv_heads, n, head_dim)``; ``sinks``,
+    ``recent`` and ``block`` are the cache's window (see :mod:`model_adapters.caches.window`);
+    ``pads``, ``(batch,)`` int64 or None (no padding), the left padding of each sequence, whose
+    window starts after its pads."""
+
+    lo: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    sinks: int
+    recent: int
+    block: int
+    pads: torch.Tensor | None = None
+
+    @property
+    def hi(self) -> int:
+        return self.lo + self.keys.shape[2]
+
+
+def left_pads(update_kwargs: dict, length: int) -> list[int] | None:
+    """The left padding of each sequence, read from the ``position_ids`` a model hands
+    ``cache.update`` (transformers 5.24 passes them in ``kwargs``; ``generate`` numbers each
+    sequence's first real token 0): ``length - 1 - position_ids[:, -1]`` for a cache of
+    ``length`` positions after the update, None when nothing is padded or no position ids came.
+    Reads them back to the host (once per sequence: caches call this on their first update)."""
+    inner = update_kwargs.get("kwargs")
+    ids = (inner if isinstance(inner, dict) else update_kwargs).get("position_ids")
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+        return None
+    pads = [min(max(0, length - 1 - int(p)), length - 1) for p in ids[:, -1].tolist()]
+    return pads if any(pads) else None
+
+
+def transit_mask(
+    mask: torch.Tensor | None, transit: Transit, q_len: int, kv_len: int, device
+) -> torch.Tensor:
+    """The attention mask over ``kv_len`` cache positions followed by the transit's exact
+    copies, for the last ``q_len`` positions as queries.
+
+    In sequence ``b`` (left padding ``P``, 0 without padding) position ``j`` is a pad below
+    ``P``, a sink below ``P + sinks``, and otherwise coded in the cache's column when ``j <
+    P + archive_end(kv_len - P)``. Query ``p`` sees it coded when ``j < P + archive_end(p + 1 -
+    P)`` and exact otherwise (:mod:`model_adapters.caches.window`): the cache's column where
+    that is its form, the appended exact copy where the column is coded but the query needs it
+    exact; every column also keeps the model's ``mask``. Args: ``mask`` broadcastable to
+    ``(batch, heads, q_len, kv_len)``, boolean (True attends) or additive float, or None
+    (causal). Returns the same kind, ``(..., q_len, kv_len + n)``. Device arithmetic only (no
+    host synchronisation).
+    """
+    t = transit
+    pads = 0 if t.pads is None else t.pads.to(device)[:, None, None, None]
+    p = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+
+    def archive_end(n):  # window.archive_end in each sequence's own positions
+        return pads + t.sinks + t.block * ((n - pads - t.recent - t.sinks).clamp(min=0) // t.block)
+
+    def forms(j):  # (stored coded, seen coded, seen exact) for columns at positions j
+        body = j >= pads + t.sinks
+        bound = archive_end(p + 1)
+        coded = body & (j < archive_end(torch.tensor(kv_len, device=device)))
+        return coded, body & (j < bound), (j >= bound) & (j <= p)
+
+    j = torch.arange(kv_len, device=device)
+    coded, sees_coded, _ = forms(j)
+    main = coded == sees_coded
+    jt = j[t.lo : t.hi]
+    coded_t, _, sees_exact_t = forms(jt)
+    extra = coded_t & sees_exact_t & (jt >= pads + t.sinks)
+    select = torch.cat([main.expand(*extra.shape[:-1], -1), extra], -1)
+    if select.ndim == 2:
+        select = select[None, None]
+    if mask is None:
+        return select & torch.cat([j <= p, jt <= p], -1)
+    mask = mask[..., :kv_len]
+    full = torch.cat([mask, mask[..., t.lo : t.hi]], -1)
+    if full.dtype == torch.bool:
+        return full & select
+    return full.masked_fill(~select, torch.finfo(full.dtype).min)
+
+
+def chunk_attention_forward(module, query, keys, values, attention_mask, transit, **kwargs):
+    """SDPA over ``keys``/``values`` (every cache position in its stored form) plus, when
+    ``transit`` is not None, its exact copies under :func:`transit_mask`."""
+    if transit is None:
+        return sdpa_attention_forward(module, query, keys, values, attention_mask, **kwargs)
+    keys = torch.cat([keys, transit.keys.to(keys.dtype)], 2)
+    values = torch.cat([values, transit.values.to(values.dtype)], 2)
+    kv_len = keys.shape[2] - transit.keys.shape[2]
+    mask = transit_mask(attention_mask, transit, query.shape[2], kv_len, query.device)
+    return sdpa_attention_forward(module, query, keys, values, mask, **kwargs)
 
 
 def lookup_attention(
@@ -148,9 +256,15 @@ def codes_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    # layers written before chunk invariance (no take_transit, no pads) keep working as before
+    take_transit = getattr(layer, "take_transit", None)
+    transit = take_transit() if take_transit is not None else None
+    if not hasattr(layer, "coded_cache"):  # an archiving layer: its keys hold every position
+        return chunk_attention_forward(module, query, key, value, attention_mask, transit,
+                                       dropout=dropout, scaling=scaling, **kwargs)
     cache = layer.coded_cache()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if query.shape[2] == 1 and cache.archived:
+    if query.shape[2] == 1 and cache.archived and getattr(layer, "pads", None) is None:
         step = query[:, :, 0]
         if _kernel_path(layer.backend, step, cache) and _all_visible(attention_mask):
             cache = layer.checked_for_kernels(step, cache)
@@ -160,9 +274,8 @@ def codes_attention_forward(
         out = lookup_attention(query, cache, mask=attention_mask, scale=scale)
         return out.transpose(1, 2).contiguous(), None
     dense_k, dense_v = layer.dense(query.dtype)
-    return sdpa_attention_forward(
-        module, query, dense_k, dense_v, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-    )
+    return chunk_attention_forward(module, query, dense_k, dense_v, attention_mask, transit,
+                                   dropout=dropout, scaling=scaling, **kwargs)
 
 
 def register_codes_attention() -> str:
@@ -173,6 +286,26 @@ def register_codes_attention() -> str:
     AttentionInterface.register(CODES_ATTENTION, codes_attention_forward)
     AttentionMaskInterface.register(CODES_ATTENTION, sdpa_mask)
     return CODES_ATTENTION
+
+
+def require_codes_attention(model_or_config, cache_name: str) -> None:
+    """ValueError unless ``model_or_config`` is a config (nothing to check: the cache notices at
+    run time) or a model whose attention implementation is :data:`CODES_ATTENTION`."""
+    impl = getattr(getattr(model_or_config, "config", None), "_attn_implementation", None)
+    if hasattr(model_or_config, "config") and impl != CODES_ATTENTION:
+        raise ValueError(
+            f"the model's attention implementation is {impl!r}; the {cache_name} needs "
+            f"{CODES_ATTENTION!r}: call model_adapters.use_codes_attention(model)"
+        )
+
+
+def unread_error(layer_idx: int, cache_name: str) -> RuntimeError:
+    """The error a cache raises when the attention function never read a layer it handed over."""
+    return RuntimeError(
+        f"layer {layer_idx} of the {cache_name} was updated but attention did not read it: the "
+        f"model's attention implementation must be {CODES_ATTENTION!r} (call "
+        "model_adapters.use_codes_attention(model))"
+    )
 
 
 def use_codes_attention(model):

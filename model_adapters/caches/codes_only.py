@@ -8,12 +8,15 @@ once; attention reads them through the function registered by
 :mod:`model_adapters.caches.codes_attention`, which the model must use
 (:func:`use_codes_attention`).
 
+Chunk invariance: every query sees each earlier position as token-by-token decoding would (see
+:mod:`model_adapters.caches.window`); a multi-token forward hands the positions it archives to
+the attention function with their exact copies (a
+:class:`~model_adapters.caches.codes_attention.Transit`).
+
 Rewinding: ``crop`` can only restore positions whose exact K/V is still held. ``rewind`` extra
-exact positions are kept behind the recent window for that (speculative decoding needs a few);
-with them, crop-then-continue is the same computation as a fresh run on the shorter prefix
-(with the default ``block=1``) when the crop point ends an earlier forward; tokens kept from a
-multi-token forward that spans it (a speculative verify step) were computed with that forward's
-archive boundary, so the continuation differs slightly.
+exact positions are kept behind the recent window for that (speculative decoding needs as many
+as the assistant drafts); with them, crop-then-continue is the same computation as a fresh run
+on the shorter prefix, wherever the crop point falls.
 """
 
 from __future__ import annotations
@@ -22,9 +25,23 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kernels import BACKENDS, CodedCache, validate_coded_cache
-from model_adapters.caches.codes_attention import CODES_ATTENTION, LAYER_ATTR, use_codes_attention
+from model_adapters.caches.codes_attention import (
+    CODES_ATTENTION,  # noqa: F401 (named in the docstrings; importable from here as before)
+    LAYER_ATTR,
+    Transit,
+    left_pads,
+    require_codes_attention,
+    unread_error,
+    use_codes_attention,
+)
 from model_adapters.caches.sharing import deepcopy_sharing
-from model_adapters.caches.window import check_window, crop_target
+from model_adapters.caches.window import (
+    DEFAULT_REWIND,
+    archive_end,
+    check_window,
+    crop_target,
+    shortest_crop,
+)
 from model_adapters.models import KVShape, kv_shape
 from model_adapters.quant.quantizer import KVQuantizer
 from model_adapters.quant.rvq import check_codes, decode
@@ -57,7 +74,12 @@ class CodesOnlyLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
-    is_croppable = True
+
+    @property
+    def is_croppable(self) -> bool:
+        """Codes handed to a rows collector cannot be taken back (those in an attached archive
+        can): generate must not plan on crops then."""
+        return self.cache.rows is None or bool(self.cache.archive_hooks)
 
     # transformers' DynamicLayer keeps every position in ``keys``/``values``; this layer has no
     # such tensor, and a partial one (the exact tail) would be read as the whole cache
@@ -79,6 +101,11 @@ class CodesOnlyLayer(CacheLayerMixin):
         super().__init__()
         self.layer_idx = layer_idx
         self.cache = cache
+        self.transit: Transit | None = None  # for this forward's attention call (see update)
+        # left padding per sequence (None: none), set by the cache on its first update; then
+        # sink_k/sink_v (batch, kv_heads, sinks, d) hold each sequence's first real tokens
+        self.pads: list[int] | None = None
+        self.pad_tensor: torch.Tensor | None = None
         self.length = 0
         self.archived_end = cache.sinks
         self.tail_start = cache.sinks
@@ -114,14 +141,42 @@ class CodesOnlyLayer(CacheLayerMixin):
             self.tail_k = torch.cat([self.tail_k, key_states[:, :, take:]], 2)
             self.tail_v = torch.cat([self.tail_v, value_states[:, :, take:]], 2)
         self.length += key_states.shape[2]
-        end = self.length - recent
-        if end - self.archived_end >= self.cache.block:
+        c = self.cache
+        end = archive_end(self.length, sinks, recent, c.block)
+        # the positions archived here that earlier queries of this chunk still see exact (the
+        # tail still holds them: it is trimmed to the rewind margin only in _archive)
+        lo = max(self.archived_end, archive_end(self.length - key_states.shape[2] + 1, sinks,
+                                                recent, c.block))
+        if key_states.shape[2] > 1 and end > lo:
+            a, b = lo - self.tail_start, end - self.tail_start
+            self.transit = Transit(lo, self.tail_k[:, :, a:b], self.tail_v[:, :, a:b],
+                                   sinks, recent, c.block, self.pad_tensor)
+        if self.pads is not None:
+            self._keep_sinks(key_states, value_states)
+        if end > self.archived_end:
             self._archive(end)
         # the layer rides on a fresh view so the attention function can find the codes
         keys = self.tail_k[:, :, self.archived_end - self.tail_start :]
         values = self.tail_v[:, :, self.archived_end - self.tail_start :]
         setattr(keys, LAYER_ATTR, self)
         return keys, values
+
+    def _keep_sinks(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Copy each padded sequence's sink positions that this chunk brings into ``sink_k`` /
+        ``sink_v``: the archive is laid out by position for the whole batch (block 1), so a
+        sequence whose sinks lie past the batch's first ``sinks`` positions gets them coded
+        there, and attention reads them from here (see :meth:`dense`)."""
+        first = self.length - key_states.shape[2]
+        if first == 0:
+            b, h, _, d = key_states.shape
+            self.sink_k = key_states.new_zeros(b, h, self.cache.sinks, d)
+            self.sink_v = value_states.new_zeros(b, h, self.cache.sinks, d)
+        for b, pad in enumerate(self.pads):
+            lo, hi = max(0, first - pad), min(self.cache.sinks, self.length - pad)
+            if hi > lo:
+                src = slice(pad + lo - first, pad + hi - first)
+                self.sink_k[b, :, lo:hi] = key_states[b, :, src]
+                self.sink_v[b, :, lo:hi] = value_states[b, :, src]
 
     def _archive(self, end: int) -> None:
         start = self.archived_end
@@ -148,6 +203,12 @@ class CodesOnlyLayer(CacheLayerMixin):
             self.tail_k = self.tail_k[:, :, cut:].clone()
             self.tail_v = self.tail_v[:, :, cut:].clone()
             self.tail_start = keep_from
+
+    def take_transit(self) -> Transit | None:
+        """This forward's transit (None if no position left the window inside the chunk),
+        handed over once: the attention function calls this."""
+        transit, self.transit = self.transit, None
+        return transit
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         # older releases pass cache_position (one entry per query token) instead of a length
@@ -213,7 +274,12 @@ class CodesOnlyLayer(CacheLayerMixin):
             vs.append(decode(self.value_codes[:, :, :n], vb, dtype, trusted=True))
         ks.append(self.tail_k[:, :, cut:].to(dtype))
         vs.append(self.tail_v[:, :, cut:].to(dtype))
-        return torch.cat(ks, 2), torch.cat(vs, 2)
+        k, v = torch.cat(ks, 2), torch.cat(vs, 2)
+        for b, pad in enumerate(self.pads or ()):  # each sequence's own sinks, exact
+            n = max(0, min(self.cache.sinks, self.length - pad))
+            k[b, :, pad : pad + n] = self.sink_k[b, :, :n].to(dtype)
+            v[b, :, pad : pad + n] = self.sink_v[b, :, :n].to(dtype)
+        return k, v
 
     def load_state(
         self,
@@ -243,10 +309,11 @@ class CodesOnlyLayer(CacheLayerMixin):
         """Why this layer cannot be cut back to ``length`` positions (None: it can)."""
         if length > self.length:
             return f"the cache holds only {self.length} positions"
-        sinks = self.cache.sinks
-        new_end = max(sinks, min(self.archived_end, length - self.cache.recent))
-        if length > sinks and self.tail_start > new_end:
-            shortest = self.tail_start + self.cache.recent
+        c = self.cache
+        sinks = c.sinks
+        new_end = min(self.archived_end, archive_end(length, sinks, c.recent, c.block))
+        if min(self.archived_end, length) > new_end and self.tail_start > new_end:
+            shortest = shortest_crop(self.tail_start, sinks, c.recent, c.block)
             return (
                 f"positions {new_end}..{self.tail_start - 1} would have to be exact again, but "
                 f"only their codes are held (rewind margin {self.cache.rewind}); crop to at "
@@ -258,9 +325,10 @@ class CodesOnlyLayer(CacheLayerMixin):
         """Cut back to ``length`` positions (check :meth:`crop_problem` first)."""
         if not self.is_initialized or length == self.length:
             return
-        sinks = self.cache.sinks
+        c = self.cache
+        sinks = c.sinks
         self.head_k, self.head_v = self.head_k[:, :, :length], self.head_v[:, :, :length]
-        self.archived_end = max(sinks, min(self.archived_end, length - self.cache.recent))
+        self.archived_end = min(self.archived_end, archive_end(length, sinks, c.recent, c.block))
         keep = max(0, length - self.tail_start)
         self.tail_k, self.tail_v = self.tail_k[:, :, :keep], self.tail_v[:, :, :keep]
         if length <= sinks:
@@ -273,24 +341,34 @@ class CodesOnlyLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.is_initialized = False
+        self.transit = self.pads = self.pad_tensor = None
         self.length = 0
         self.archived_end = self.tail_start = self.cache.sinks
 
     # --- batch manipulation (generate: beams, multiple return sequences) -----------------------
-    def _map_batch(self, fn) -> None:
+    def _map_batch(self, fn, order=None) -> None:
         if not self.is_initialized:
             return
-        for name in ("head_k", "head_v", "tail_k", "tail_v", "key_codes", "value_codes"):
+        names = ["head_k", "head_v", "tail_k", "tail_v", "key_codes", "value_codes"]
+        if self.pads is not None:
+            names += ["sink_k", "sink_v"]
+            self.pads = [self.pads[i] for i in order]
+            self.pad_tensor = torch.tensor(self.pads, device=self.pad_tensor.device)
+        for name in names:
             setattr(self, name, fn(getattr(self, name)))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        order = beam_idx.tolist() if self.pads is not None else None
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), order)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        order = None if self.pads is None else [
+            i for i in range(len(self.pads)) for _ in range(repeats)]
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0), order)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
+        order = torch.as_tensor(indices).tolist() if self.pads is not None else None
+        self._map_batch(lambda t: t[indices], order)
 
     def offload(self):
         raise NotImplementedError("the codes-only cache does not offload (it is small already)")
@@ -318,17 +396,15 @@ class CodesOnlyCache(Cache):
             would have to be kept dense, which is the archiving cache's job).
         sinks: leading positions kept exact forever.
         recent: most recent positions kept exact.
-        rewind: extra exact positions kept behind the recent window so that ``crop`` can step
-            back that far past the archive boundary.
-        block: quantize positions leaving the recent window in groups of at least this many
-            (as :class:`~model_adapters.caches.archiving.ArchivingCache` does): the window then
-            holds ``recent`` to ``recent + block - 1`` exact positions, and the codebooks are read
-            and the exact tail trimmed once per group instead of every step. With ``block >
-            1`` the archive boundary depends on the path: a prefill archives everything past
-            the window at once, and ``crop`` leaves the boundary at ``length - recent`` at
-            most (as with ``block=1``), where a fresh run to the same length may have archived
-            up to ``block - 1`` fewer positions; so "crop, then continue" equals a fresh run
-            only for ``block=1``.
+        rewind: extra exact positions kept behind the recent window so that ``crop`` back by up
+            to ``rewind - block + 1`` positions leaves the state of a fresh run (the default
+            covers transformers' assistant, 20 draft tokens per round).
+        block: quantize positions leaving the recent window in groups of this many, aligned on
+            ``sinks`` (as :class:`~model_adapters.caches.archiving.ArchivingCache` does): the
+            window then holds ``recent`` to ``recent + block - 1`` exact positions, and the
+            codebooks are read and the exact tail trimmed once per group instead of every step.
+            The boundary depends only on the length (:func:`~model_adapters.caches.window.
+            archive_end`), so prefill, chunks and crops agree with token-by-token decoding.
         rows: collector receiving one row of codes per archived token
             (:class:`~model_adapters.caches.code_rows.CodeRows`; batch 1 only).
         backend: the path of float16/bfloat16 decode steps: ``"triton"``, the Triton kernel of
@@ -350,7 +426,7 @@ class CodesOnlyCache(Cache):
         *,
         sinks: int = 4,
         recent: int = 32,
-        rewind: int = 0,
+        rewind: int = DEFAULT_REWIND,
         rows=None,
         backend: str = "auto",
         block: int = 1,
@@ -368,12 +444,7 @@ class CodesOnlyCache(Cache):
             )
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        impl = getattr(getattr(model_or_config, "config", None), "_attn_implementation", None)
-        if hasattr(model_or_config, "config") and impl != CODES_ATTENTION:
-            raise ValueError(
-                f"the model's attention implementation is {impl!r}; the codes-only cache needs "
-                f"{CODES_ATTENTION!r}: call model_adapters.use_codes_attention(model)"
-            )
+        require_codes_attention(model_or_config, "codes-only cache")
         if rows is not None and rows.num_layers != shape.num_layers:
             raise ValueError(
                 f"rows collector has {rows.num_layers} layers, model has {shape.num_layers}"
@@ -397,14 +468,27 @@ class CodesOnlyCache(Cache):
         if self.rows is not None:
             self.rows.check_batch(key_states.shape[0])
         if self.unread_layer is not None:
-            raise RuntimeError(
-                f"layer {self.unread_layer} of the codes-only cache was updated but attention "
-                f"did not read its codes: the model's attention implementation must be "
-                f"{CODES_ATTENTION!r} (call model_adapters.use_codes_attention(model))"
-            )
+            raise unread_error(self.unread_layer, "codes-only cache")
+        if layer_idx == 0 and self.get_seq_length() == 0:
+            self._start_sequence(key_states, kwargs)
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         self.unread_layer = layer_idx
         return out
+
+    def _start_sequence(self, key_states: torch.Tensor, update_kwargs: dict) -> None:
+        """A new sequence: its left padding, once (one read-back), from the position ids.
+        ValueError, before any layer changes, for what padded batches cannot do here."""
+        pads = left_pads(update_kwargs, key_states.shape[2])
+        if pads is not None and (self.block != 1 or self.rows is not None or self.archive_hooks):
+            raise ValueError(
+                f"a left-padded batch (pads {pads}) needs block=1 and no rows collector or "
+                f"archive in the codes-only cache (got block={self.block}); run the sequences "
+                "unpadded, or use ArchivingCache"
+            )
+        for layer in self.layers:
+            layer.pads = pads
+            layer.pad_tensor = None if pads is None else torch.tensor(
+                pads, device=key_states.device)
 
     def reset(self) -> None:
         """Empty every layer; refused once codes went to a collector or an archive."""
@@ -432,7 +516,8 @@ class CodesOnlyCache(Cache):
 
     def archived_after(self, length: int) -> int:
         """Archived positions left after cutting the cache back to ``length``."""
-        return max(0, min(self.archived_tokens, length - self.sinks - self.recent))
+        end = archive_end(length, self.sinks, self.recent, self.block)
+        return min(self.archived_tokens, end - self.sinks)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Cut the cache back: ``n > 0`` keeps the first ``n`` positions, ``n < 0`` drops the

@@ -1,14 +1,24 @@
-"""The exact window both caches keep, and the one crop rule they share.
+"""The exact window both caches keep, and the rules they share: where the archive ends, how far
+a crop can go back, what a query of a multi-token forward sees.
 
-A cache layer keeps its first ``sinks`` and last ``recent`` positions exact (``rewind`` more
-behind the recent window in the codes-only cache; positions leave in groups of ``block``).
+A cache layer keeps its first ``sinks`` and last ``recent`` positions exact; positions in between
+are archived (coded), in groups of ``block`` aligned on ``sinks``. The archive of a cache holding
+``length`` positions ends at :func:`archive_end` ``(length)``, the same whether the positions came
+one token at a time or in chunks: a query at position ``p`` sees the cache as it stood after
+``p + 1`` positions (:func:`archive_end` ``(p + 1)``), which is what makes every chunking of a
+sequence compute what token-by-token decoding computes. Both caches also keep exact copies of the
+last ``rewind`` archived positions, so that ``crop`` can make them exact again.
 """
 
 from __future__ import annotations
 
 from model_adapters._checks import count
 
-__all__ = ["check_window", "crop_target"]
+__all__ = ["DEFAULT_REWIND", "archive_end", "check_window", "crop_target", "shortest_crop"]
+
+#: archived positions both caches keep exact copies of by default: transformers' assistant drafts
+#: 20 tokens per round by default, and a crop back by ``k`` positions needs ``k + block - 1``
+DEFAULT_REWIND = 32
 
 
 def check_window(**counts: int) -> None:
@@ -16,6 +26,21 @@ def check_window(**counts: int) -> None:
     >= 1, a group of positions)."""
     for name, v in counts.items():
         count(v, name, low=1 if name == "block" else 0)
+
+
+def archive_end(length: int, sinks: int, recent: int, block: int) -> int:
+    """End of the archived span ``[sinks, end)`` of a layer holding ``length`` positions: whole
+    groups of ``block`` positions from ``sinks`` on, all of them at least ``recent`` positions
+    behind the newest (``sinks`` when nothing is archived)."""
+    return sinks + block * (max(0, length - recent - sinks) // block)
+
+
+def shortest_crop(end: int, sinks: int, recent: int, block: int) -> int:
+    """The shortest length whose :func:`archive_end` is at least ``end`` (a crop to a shorter
+    length needs exact K/V below ``end``)."""
+    if end <= sinks:
+        return 0
+    return sinks + recent + block * -(-(end - sinks) // block)
 
 
 def crop_target(tokens_to_remove: int, length: int) -> int:
@@ -34,4 +59,3 @@ def crop_target(tokens_to_remove: int, length: int) -> int:
     if target > length:
         raise ValueError(f"cannot keep {target} positions: the cache holds only {length}")
     return target
-

@@ -8,6 +8,7 @@ from adapters_fixtures import TINY_MODELS, random_quantizer, torch
 
 from model_adapters.caches.archiving import ArchivingCache
 from model_adapters.caches.code_rows import CodeRows
+from model_adapters.caches.codes_attention import use_codes_attention
 from model_adapters.models import cache_kwarg, config_fingerprint, kv_shape, output_cache
 
 DynamicCache = pytest.importorskip("transformers").DynamicCache
@@ -166,11 +167,16 @@ def test_keys_only_keeps_values_exact():
     assert nmse["values"] == 0.0 and nmse["keys"] > 0.0
 
 
-def test_prefill_ages_out_relative_to_chunk_end():
+def test_prefill_archives_what_token_by_token_decoding_would():
     model = TINY_MODELS["qwen3"]()
     kw = cache_kwarg(model)
+    q = random_quantizer(model)
+    # on plain SDPA a prefill that archives cannot show its early queries exact positions
+    with pytest.raises(RuntimeError, match="use_codes_attention"), torch.no_grad():
+        model(torch.arange(2, 32)[None], **{kw: ArchivingCache(model, q, sinks=4, recent=8)})
+    use_codes_attention(model)
     rows = CodeRows(2, keep=True)
-    cache = ArchivingCache(model, random_quantizer(model), sinks=4, recent=8, rows=rows)
+    cache = ArchivingCache(model, q, sinks=4, recent=8, rows=rows)
     with torch.no_grad():
         out = model(torch.arange(2, 32)[None], **{kw: cache})
     assert output_cache(out) is cache
@@ -187,10 +193,11 @@ def test_archiving_needs_batch_one():
 
 
 def test_crop_refuses_archived_positions():
-    model = TINY_MODELS["gpt2"]()
-    cache = ArchivingCache(model, random_quantizer(model), sinks=1, recent=2)
+    model = use_codes_attention(TINY_MODELS["gpt2"]())
+    cache = ArchivingCache(model, random_quantizer(model), sinks=1, recent=2, rewind=2)
     with torch.no_grad():
         model(torch.ones(1, 8, dtype=torch.long), **{cache_kwarg(model): cache})
+    # archived [1, 6), exact copies of [4, 6): a fresh run of n tokens archives [1, n - 2)
     with pytest.raises(ValueError, match="already archived"):
         cache.crop(3)
     cache.crop(0)  # transformers calls this itself: nothing to do
@@ -199,8 +206,9 @@ def test_crop_refuses_archived_positions():
     cache.crop(7)  # keep the first 7 (the older convention)...
     cache.crop(-1)  # ...or drop the last one
     assert cache.get_seq_length() == 6 and cache.layers[0].keys.shape[2] == 6
+    assert cache.archived_tokens == 3
     with pytest.raises(ValueError, match="already archived"):
-        cache.crop(-3)
+        cache.crop(-1)
     # past the start or beyond the length: refused like the codes-only cache (no clamping)
     with pytest.raises(ValueError, match="holds only 6"):
         cache.crop(-7)

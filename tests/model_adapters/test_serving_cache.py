@@ -210,7 +210,9 @@ def test_live_bytes_stay_flat_while_dynamic_cache_grows(arch):
     model = use_codes_attention(TINY_MODELS[arch](vocab_size=101))
     q = random_quantizer(model)
     kw = cache_kwarg(model)
-    codes, dyn = CodesOnlyCache(model, q, sinks=4, recent=8), DynamicCache(config=model.config)
+    # no rewind margin (default 32 positions, as large as this whole test's window)
+    codes = CodesOnlyCache(model, q, sinks=4, recent=8, rewind=0)
+    dyn = DynamicCache(config=model.config)
     ids = torch.randint(2, 100, (1, 120), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         model(ids, **{kw: codes})

@@ -13,6 +13,7 @@ from serving_fixtures import (
 from model_adapters.caches.archiving import ArchivingCache
 from model_adapters.caches.code_rows import CodeRows
 from model_adapters.caches.codes_only import CodesOnlyCache
+from model_adapters.caches.window import archive_end
 from model_adapters.models import cache_kwarg
 
 IDS = torch.randint(2, 100, (2, 44), generator=torch.Generator().manual_seed(7))
@@ -76,8 +77,8 @@ def test_grouped_crop_keeps_the_codes_below_the_window(arch, back):
     boundary = cache.archived_tokens
     cache.crop(-back)
     n = 30 - back
-    kept = min(boundary, n - 2 - 5)  # past length - recent, positions are exact again
-    assert cache.get_seq_length() == n and cache.archived_tokens == kept
+    kept = archive_end(n, 2, 5, 3) - 2  # a fresh run's boundary: whole groups of 3
+    assert cache.get_seq_length() == n and cache.archived_tokens == kept <= boundary
     for layer, (k, v) in zip(cache.layers, before, strict=True):
         k2, v2 = layer.dense(torch.float32)
         assert k2.shape[2] == n
@@ -186,16 +187,17 @@ def test_archiving_crop_after_a_beam_reorder(arch):
 def test_archiving_crop_refusals_change_nothing():
     ref, _ = model_pair("qwen3", torch.float64)
     q = random_quantizer(ref)
-    cache = ArchivingCache(ref, q, sinks=2, recent=5)
+    cache = ArchivingCache(ref, q, sinks=2, recent=5, rewind=5)
     run(ref, cache, 30)
     before = [(t.clone(), layer.archived_until) for layer in cache.layers for t in layer.keys]
-    # archived up to 25, exact copies of [20, 25): keep + 1 - 5 >= 20
-    with pytest.raises(ValueError, match="kept only from 20 .crop to at least 24, or to at most 2"):
-        cache.crop(-7)
+    # archived up to 25, exact copies of [20, 25): a fresh run of keep tokens archives keep - 5
+    with pytest.raises(ValueError, match=r"kept only from 20 \(rewind 5; crop to at least 25, "
+                                         "or to at most 2"):
+        cache.crop(-6)
     after = [(t.clone(), layer.archived_until) for layer in cache.layers for t in layer.keys]
     assert all(torch.equal(a, b) and x == y for (a, x), (b, y) in zip(before, after, strict=True))
-    cache.crop(-6)  # the oldest legal length: 24 = 20 + 5 - 1
-    assert cache.get_seq_length() == 24
+    cache.crop(-5)  # the oldest legal length: 25 = 20 + 5
+    assert cache.get_seq_length() == 25 and cache.archived_tokens == 25 - 7
     sinks = [layer.keys[..., :2, :].clone() for layer in cache.layers]
     cache.crop(2)  # into the sinks: nothing archived is left, nothing needs restoring
     assert cache.get_seq_length() == 2 and cache.archived_tokens == 0
@@ -207,8 +209,9 @@ def test_archiving_crop_refuses_to_take_back_collected_rows():
     q = random_quantizer(ref)
     cache = ArchivingCache(ref, q, sinks=2, recent=5, rows=CodeRows(2))
     step_logits(ref, cache, IDS[:1, :20], 12)
-    with pytest.raises(ValueError, match="rows collector"):
-        cache.crop(-2)
+    assert not cache.is_croppable  # generate refuses an assistant up front
+    for back in (1, 2):
+        with pytest.raises(ValueError, match="rows collector .crop to at least 20"):
+            cache.crop(-back)
     assert cache.get_seq_length() == 20 and cache.archived_tokens == 20 - 7
-    cache.crop(-1)  # the next step archives that position again: nothing to take back
-    assert cache.get_seq_length() == 19 and cache.rows.emitted == 13
+    assert cache.rows.emitted == 13

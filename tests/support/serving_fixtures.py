@@ -28,8 +28,9 @@ def random_quantizer(model, key_stages=2, value_stages=2, k=16, seed=0) -> KVQua
 
 
 def model_pair(arch: str, dtype=torch.float32):
-    """The same tiny model twice: one on SDPA (archiving cache), one on the codes attention."""
-    ref = TINY_MODELS[arch]().to(dtype)
+    """The same tiny model twice, both on the codes attention (which both caches need for
+    multi-token forwards): one for the archiving cache, one for the codes-only cache."""
+    ref = use_codes_attention(TINY_MODELS[arch]().to(dtype))
     codes = use_codes_attention(TINY_MODELS[arch]().to(dtype))
     return ref, codes
 
