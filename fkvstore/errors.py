@@ -13,6 +13,7 @@ __all__ = [
     "ArchiveClosedError",
     "ArchiveFormatError",
     "ArchiveLinkError",
+    "ArchiveParentError",
     "ArchiveLockedError",
     "ChecksumError",
     "StreamNotFoundError",
@@ -47,6 +48,12 @@ class ArchiveLinkError(ArchiveFormatError):
     """An object of the archive is a link (external or soft), a virtual dataset or a dataset
     with external raw storage: fkvstore never follows these, so that a file cannot make it read
     (or write) anything outside itself."""
+
+
+class ArchiveParentError(ArchiveLinkError):
+    """An attribute naming another archive file (a serving fork's ``parent``) that is not a
+    relative path, resolves (symbolic links followed) outside the directory the caller allows,
+    closes a cycle, or starts a chain of parents deeper than the limit."""
 
 
 class ArchiveLockedError(FkvError, OSError):
