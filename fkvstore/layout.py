@@ -160,7 +160,8 @@ def create_stream_group(
 
 def child(group: h5py.Group, name: str) -> h5py.Group | h5py.Dataset | None:
     """Object ``name`` of ``group``, or None when there is none; ArchiveLinkError when it is a
-    soft or external link, a virtual dataset or a dataset with external raw storage.
+    soft or external link, an object with more than one hard link (an alias), a virtual
+    dataset or a dataset with external raw storage.
 
     The link is inspected before it is followed: an external link would open another file
     (even ``name in group`` does), a virtual dataset or external storage reads other files'
@@ -177,6 +178,13 @@ def child(group: h5py.Group, name: str) -> h5py.Group | h5py.Dataset | None:
             "fkvstore does not follow them (a link can point outside the file)"
         )
     obj = group[name]
+    links = h5py.h5o.get_info(obj.id).rc
+    if links != 1:  # one object under two names: writes through one would corrupt the other
+        raise ArchiveLinkError(
+            f"{where!r} is one object under {links} names (hard links): fkvstore archives "
+            "give each object one name, and an alias would let two streams or arrays share, "
+            "and overwrite, the same data"
+        )
     if isinstance(obj, h5py.Dataset) and (obj.is_virtual or obj.external):
         what = "a virtual dataset" if obj.is_virtual else "stored in external files"
         raise ArchiveLinkError(

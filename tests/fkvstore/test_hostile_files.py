@@ -361,3 +361,35 @@ def test_a_flipped_metadata_bit_fails_fast_for_a_reader(archive):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert "refused:" in done.stdout and "checksum" in done.stdout, done.stderr[-2000:]
+
+
+# -- 5. one object under two names ---------------------------------------------------------
+ALIASES = {  # (object, second name, how each name is read, the names verify reports)
+    "stream group": ("streams/s", "streams/s2", {"s": "stream", "s2": "stream"}),
+    "points of another stream": ("streams/s/points", "streams/t/points",
+                                 {"s": "stream", "t": "stream"}),
+    "array": ("arrays/a", "arrays/b", {"a": "array", "b": "array"}),
+}
+
+
+def _read(ar, name, kind):
+    return ar.get_array(name) if kind == "array" else ar[name][:1]
+
+
+@pytest.mark.parametrize("case", ALIASES)
+def test_hard_link_aliases_are_refused(archive, case):
+    # a writer appending through one name would silently overwrite the rows of the other
+    target, alias, names = ALIASES[case]
+    with _edit(archive) as f:
+        if alias in f:
+            del f[alias]
+        f[alias] = f[target]  # a second hard link to the same object
+    for mode in ("r", "a"):
+        with fkvstore.open(archive, mode) as ar:
+            for name, kind in names.items():
+                with pytest.raises(ArchiveLinkError, match="under 2 names"):
+                    _read(ar, name, kind)
+            report = ar.verify()
+        for name, kind in names.items():
+            key = f"arrays/{name}" if kind == "array" else name
+            assert any("under 2 names" in p for p in report[key]), report
