@@ -36,6 +36,7 @@ from typing import NamedTuple
 import h5py
 
 from fkvstore import _remote, layout
+from fkvstore._bounds import check_recorded_end
 from fkvstore._hdf5 import open_swmr_reader
 from fkvstore._lock import WriterLock
 from fkvstore._superblock import clear_status_flags, open_cleared_view, read_superblock
@@ -318,6 +319,7 @@ def _recover_if_needed(path: str) -> None:
         sb = read_superblock(path)
         if sb is None:
             return
+        check_recorded_end(path, sb.base_address + sb.eof_address)
         if sb.status_flags or os.path.getsize(path) < sb.base_address + sb.eof_address:
             view = open_cleared_view(path)
             try:

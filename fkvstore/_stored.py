@@ -16,6 +16,7 @@ import h5py
 import numpy as np
 
 from fkvstore import layout
+from fkvstore._bounds import file_bytes
 from fkvstore._session import Pending
 from fkvstore.codec import Codec
 from fkvstore.errors import ArchiveClosedError, ArchiveFormatError, ChecksumError, FkvError
@@ -348,8 +349,17 @@ def read_commit_checked(points: h5py.Dataset, span: int, after_read=None) -> Com
         problem = f"tail_slot={c.tail_slot} is not 0 or 1"
     elif points.shape[0] < c.full_spans:
         problem = f"full_spans={c.full_spans} exceeds the {points.shape[0]} rows of points"
+    elif _committed_bytes(points, c) > (size := file_bytes(points.file)):
+        problem = (f"full_spans={c.full_spans} needs {_committed_bytes(points, c)} bytes of "
+                   f"chunks, more than the {size} bytes of the whole file")
     if problem is not None:
         raise ArchiveFormatError(
             f"{points.name}: commit record {c} is inconsistent ({problem}); damaged file"
         )
     return c
+
+
+def _committed_bytes(points: h5py.Dataset, c: Commit) -> int:
+    """Bytes of the chunks of ``points`` holding ``c``'s full spans (each chunk whole)."""
+    rows = points.chunks[0] if points.chunks else 1
+    return -(-c.full_spans // rows) * rows * points.dtype.itemsize * int(np.prod(points.shape[1:]))

@@ -26,6 +26,7 @@ from dataclasses import astuple, dataclass
 import h5py
 import numpy as np
 
+from fkvstore._bounds import check_array_size
 from fkvstore.errors import ArchiveFormatError, ArchiveLinkError
 
 __all__ = [
@@ -371,9 +372,11 @@ def finished_names(group: h5py.Group) -> list[str]:
 
 
 def get_checked_array(ds: h5py.Dataset) -> np.ndarray:
-    """The array stored by :func:`put_checked_array`; ChecksumError when its bytes changed."""
+    """The array stored by :func:`put_checked_array`; ChecksumError when its bytes changed,
+    ArchiveFormatError (before reading) when it is filtered or declares more than the file."""
     from fkvstore.errors import ChecksumError, FkvError
 
+    check_array_size(ds)
     try:
         arr = ds[()]
     except FkvError:  # a named failure of the storage (a remote archive): not damage

@@ -393,3 +393,65 @@ def test_hard_link_aliases_are_refused(archive, case):
         for name, kind in names.items():
             key = f"arrays/{name}" if kind == "array" else name
             assert any("under 2 names" in p for p in report[key]), report
+
+
+# -- 6. sizes chosen to exhaust memory or disk --------------------------------------------------
+def _bomb(g, name):
+    """A gzip array of 2**31 zero bytes (a few MB in the file) with the CRC of its content."""
+    ds = g.create_dataset(name, shape=(1 << 31,), dtype="u1", chunks=(1 << 22,),
+                          compression="gzip", fillvalue=0)
+    ds.id.write_direct_chunk((0,), zlib.compress(bytes(1 << 22)))  # one chunk, for realism
+    ds.attrs["fkv_crc32"] = np.uint32(0)
+
+
+def _oversized(g, name):
+    """An unfiltered array declaring 2**40 bytes, none of them stored (reads return zeros)."""
+    g.create_dataset(name, shape=(1 << 37,), dtype="<i8", chunks=(1 << 16,))
+    g[name].attrs["fkv_crc32"] = np.uint32(0)
+
+
+@pytest.mark.parametrize("make, message", [(_bomb, "filter"), (_oversized, "more than the")])
+def test_arrays_that_would_expand_beyond_the_file_are_refused_before_reading(
+        archive, make, message):
+    with _edit(archive) as f:
+        make(f["arrays"], "x")
+    with fkvstore.open(archive) as ar:
+        assert ar.array_info("x")[1][0] > 1 << 30  # the declared shape is still reported
+        with pytest.raises(ArchiveFormatError, match=message):
+            ar.get_array("x")
+        report = ar.verify()
+    assert message in report["arrays/x"][0] and not report["arrays/a"]
+
+
+def test_a_commit_claiming_more_chunks_than_the_file_holds_is_refused(archive):
+    spans = 1 << 30  # 16 GiB of points, and a 256 MiB list of chunk checksums
+    with _edit(archive) as f:
+        g = f["streams/s"]
+        g["points"].resize((spans, 3, 2))
+        g["block_crc"].resize((spans // g.attrs["fkv_block_spans"],))
+        span = json.loads(g.attrs["fkv_codec"])["span"]
+        _set_commit(g, length=spans * span, full_spans=spans, tail_count=0)
+    with pytest.raises(ArchiveFormatError, match="more than the .* bytes of the whole file"):
+        _open_stream(archive)
+
+
+def _record_end(path, end):
+    """Rewrite the superblock's end-of-file address as ``end`` (a valid checksum kept)."""
+    from fkvstore._superblock import lookup3, read_superblock
+
+    sb = read_superblock(path)
+    raw = bytearray(path.read_bytes())
+    o = raw[9]
+    raw[12 + 2 * o : 12 + 3 * o] = (end - sb.base_address).to_bytes(o, "little")
+    raw[sb.size - 4 : sb.size] = lookup3(bytes(raw[: sb.size - 4])).to_bytes(4, "little")
+    path.write_bytes(raw)
+
+
+def test_a_superblock_claiming_a_huge_end_of_file_is_not_grown_to_it(archive):
+    size = archive.stat().st_size
+    _record_end(archive, 1 << 40)
+    with pytest.raises(ArchiveFormatError, match=r"records an end of file at 1099511627776"):
+        fkvstore.open(archive, "a")
+    assert archive.stat().st_size == size  # not extended, not written
+    with fkvstore.open(archive) as ar:  # a reader still sees what there is
+        assert np.array_equal(ar["s"][:], ROWS)
