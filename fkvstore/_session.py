@@ -39,6 +39,7 @@ from fkvstore import _remote, layout
 from fkvstore._bounds import check_recorded_end
 from fkvstore._hdf5 import open_swmr_reader
 from fkvstore._lock import WriterLock
+from fkvstore._os_errors import named_os_errors, named_os_errors_in_generator
 from fkvstore._superblock import clear_status_flags, open_cleared_view, read_superblock
 from fkvstore.errors import (
     ArchiveClosedError,
@@ -82,6 +83,7 @@ class Session:
     ``storage_options``, ``block_bytes`` and ``block_cache_bytes`` configure the
     :class:`~fkvstore._remote.RemoteObject` it reads through (``remote`` is then that object)."""
 
+    @named_os_errors
     def __init__(self, path: str | os.PathLike, mode: str, library_version: str, *,
                  storage_options: dict | None = None, block_bytes: int | None = None,
                  block_cache_bytes: int | None = None):
@@ -155,6 +157,7 @@ class Session:
             member.detach()
 
     @contextmanager
+    @named_os_errors_in_generator
     def structural(self) -> Iterator[None]:
         """Run a change of the file's structure (new objects, attributes) outside SWMR mode.
 
@@ -174,6 +177,7 @@ class Session:
         finally:
             self._enter_swmr()
 
+    @named_os_errors
     def commit(self, stages: Iterable[Callable[[], Pending]]) -> None:
         """Two-phase commit of the streams whose ``stage()`` callables are given: each writes its
         data and returns its :class:`Pending` record; after an HDF5 flush the records are
@@ -197,6 +201,7 @@ class Session:
         """Commit every bound stream that has buffered rows."""
         self.commit([m.stage for m in self._members.values() if m.has_pending()])
 
+    @named_os_errors
     def close(self) -> None:
         """Detach every bound stream, close the file and release the writer lock. Idempotent;
         commits nothing (:meth:`flush` first)."""

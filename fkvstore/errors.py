@@ -21,6 +21,10 @@ __all__ = [
     "PositionError",
     "ArchiveExistsError",
     "ArchiveReadOnlyError",
+    "ArchiveIOError",
+    "ArchiveDiskFullError",
+    "ArchivePermissionError",
+    "ArchiveReadOnlyFileSystemError",
     "RemoteArchiveError",
     "RemoteAuthError",
     "RemoteModeError",
@@ -85,6 +89,26 @@ class ArchiveExistsError(FkvError, FileExistsError):
 
 class ArchiveReadOnlyError(FkvError, PermissionError):
     """A change to an archive that was opened read-only (mode ``"r"``)."""
+
+
+class ArchiveIOError(FkvError, OSError):
+    """The operating system refused to read or write an archive's file (or its lock).
+    ``errno``, ``strerror`` and ``filename`` are those of the refusal; the message keeps the
+    underlying (HDF5) report."""
+
+
+class ArchiveDiskFullError(ArchiveIOError):
+    """No space left on the device (``ENOSPC``) or the user's disk quota exceeded (``EDQUOT``)
+    while writing an archive."""
+
+
+class ArchivePermissionError(ArchiveIOError, PermissionError):
+    """The file or its folder may not be read or written by this user (``EACCES``, ``EPERM``)."""
+
+
+class ArchiveReadOnlyFileSystemError(ArchiveIOError):
+    """A write to an archive on a file system mounted read-only (``EROFS``): open it with mode
+    ``"r"``."""
 
 
 class RemoteArchiveError(FkvError, OSError):

@@ -455,3 +455,18 @@ def test_a_superblock_claiming_a_huge_end_of_file_is_not_grown_to_it(archive):
     assert archive.stat().st_size == size  # not extended, not written
     with fkvstore.open(archive) as ar:  # a reader still sees what there is
         assert np.array_equal(ar["s"][:], ROWS)
+
+
+def test_verify_lists_every_linked_aux_array(tmp_path, outside):
+    path = tmp_path / "index.h5"
+    _persisted_book(path)
+    with _edit(path) as f:
+        aux = f["streams/book/aux"]
+        for name in ("search_0_walk", "search_0_boxes"):
+            del aux[name]
+            aux[name] = h5py.ExternalLink(str(outside[1]), "arrays/x")
+    with fkvstore.open(path) as ar:
+        problems = ar.verify()["book"]
+    assert [p for p in problems if "ExternalLink" in p] == [
+        p for p in problems if "search_0_boxes" in p or "search_0_walk" in p]
+    assert len(problems) == 2
