@@ -109,7 +109,7 @@ class StoredPoints:
             blk = layout.read_block(self._ds.points, b, B, rows)
         except FkvError:  # a named failure of the storage (a remote archive): not damage
             raise
-        except (OSError, ValueError) as exc:
+        except (OSError, RuntimeError, ValueError) as exc:
             self._raise_if_stale()
             raise ChecksumError(
                 f"stream {self.name!r}: chunk {b} cannot be read ({exc}); the file is damaged"
@@ -149,7 +149,7 @@ class StoredPoints:
                 t = layout.read_tail(self._ds.tail, c.tail_slot)
             except FkvError:
                 raise
-            except (OSError, ValueError) as exc:
+            except (OSError, RuntimeError, ValueError) as exc:
                 self._raise_if_stale()
                 raise ChecksumError(f"stream {self.name!r}: tail unreadable ({exc})") from exc
             if layout.checksum(t) != c.tail_crc:
@@ -335,7 +335,7 @@ def read_commit_checked(points: h5py.Dataset, span: int, after_read=None) -> Com
         c = layout.read_commit(points)
     except FkvError:
         raise
-    except (OSError, KeyError, ValueError, TypeError) as exc:
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as exc:
         raise ArchiveFormatError(f"{points.name}: commit record unreadable ({exc})") from exc
     if after_read is not None:
         after_read()

@@ -461,6 +461,7 @@ class Stream(SearchMixin):
                 problems.append(str(exc))
             if progress is not None:
                 progress(1)
+        problems += layout.attrs_problems(self._session.h5[self._group_path])
         try:  # derived data, but damage is damage (a link or an alias too)
             keys = self.aux_array_names()
         except ArchiveFormatError as exc:
@@ -500,7 +501,9 @@ class Stream(SearchMixin):
             raise StreamNotFoundError(f"stream {self.name!r} has no aux array {key!r}")
         if not isinstance(ds, h5py.Dataset):
             raise ArchiveFormatError(f"stream {self.name!r}: aux {key!r} is not a dataset")
-        attrs = {k: v for k, v in ds.attrs.items() if not k.startswith(layout.RESERVED_PREFIX)}
+        with layout.damaged_metadata(f"the attributes of aux array {ds.name!r}"):
+            attrs = {k: v for k, v in ds.attrs.items()
+                     if not k.startswith(layout.RESERVED_PREFIX)}
         return layout.get_checked_array(ds), attrs
 
     def aux_array_names(self) -> list[str]:

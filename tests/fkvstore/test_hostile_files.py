@@ -38,8 +38,23 @@ def archive(tmp_path):
 
 @contextmanager
 def _edit(path):
+    """The file open in h5py for a crafted change; afterwards the attribute CRC-32s of every
+    group are made to match again, as a hostile writer would (they catch accidents only)."""
     with h5py.File(path, "r+", locking=False) as f:
         yield f
+        groups = [f] + [f[n] for n in _group_names(f)]
+        for g in groups:
+            if fkvstore.layout.CONFIG_CRC_ATTR in g.attrs:
+                fkvstore.layout.seal_attrs(g)
+
+
+def _group_names(f):
+    """Group names of ``f`` reached through hard links only (never an external file)."""
+    names = []
+    f.visititems_links(lambda name, link: names.append(name)
+                  if isinstance(link, h5py.HardLink) and isinstance(f.get(name), h5py.Group)
+                  else None)
+    return names
 
 
 def _open_stream(path, name="s"):
