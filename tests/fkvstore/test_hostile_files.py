@@ -192,6 +192,20 @@ def test_hostile_persisted_trees_are_rebuilt_not_followed(tmp_path, case, trust)
     assert done.stdout.strip() == "True"
 
 
+def test_a_forged_walk_hides_no_match_unless_trusted(tmp_path):
+    # points moved away from every query's ball: a trusting search would find nothing
+    path = tmp_path / "index.h5"
+    _persisted_book(path)
+    _rewrite_aux(path, "walk", lambda walk: walk + 7.0)
+    with fkvstore.open(path) as ar:
+        assert ar["book"].search("time").tolist() == _expected(b"time")
+        assert not any(ar.verify().values())  # the CRC-32 matches: only a key could tell
+    with fkvstore.open(path) as ar:
+        s = ar["book"]
+        s.trust_index = True  # the caller vouches for the file: its walk is used as stored
+        assert s.search("time").tolist() != _expected(b"time")
+
+
 def test_stored_trees_are_rebuilt_unless_trusted(tmp_path, monkeypatch):
     path = tmp_path / "index.h5"
     _persisted_book(path)
