@@ -14,7 +14,7 @@ import errno
 import functools
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from fkvstore.errors import (
@@ -54,16 +54,29 @@ def named_os_error(exc: BaseException, path: str | os.PathLike) -> ArchiveIOErro
 
 
 @contextmanager
-def naming_os_errors(path: str | os.PathLike | Callable[[], str]) -> Iterator[None]:
+def naming_os_errors(owner) -> Iterator[None]:
     """Refusals of the operating system raised inside leave as :func:`named_os_error` names
-    them (about the archive at ``path``, or at what ``path()`` returns then); other errors
-    pass unchanged."""
+    them (about the archive at ``owner.path``); other errors pass unchanged, except that after
+    a refusal (remembered as ``owner.os_failure``) HDF5's errors without an errno (its state
+    after a failed write: "slist already enabled?") leave as that refusal too."""
     try:
         yield
     except (OSError, RuntimeError) as exc:
-        named = named_os_error(exc, path() if callable(path) else path)
+        if isinstance(exc, FkvError):
+            raise
+        named = named_os_error(exc, getattr(owner, "path", ""))
+        earlier = getattr(owner, "os_failure", None)
+        if named is None and earlier is not None:
+            detail = str(exc).split("\n", 1)[0]
+            named = type(earlier)(
+                earlier.errno,
+                f"{os.strerror(earlier.errno)} earlier, so the file can no longer be written "
+                f"({detail}); reopen the archive",
+                earlier.filename,
+            )
         if named is None:
             raise
+        owner.os_failure = named
         raise named from exc
 
 
@@ -73,7 +86,7 @@ def named_os_errors(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        with naming_os_errors(lambda: self.path):  # __init__ sets it
+        with naming_os_errors(self):
             return method(self, *args, **kwargs)
 
     return wrapper
@@ -84,7 +97,7 @@ def named_os_errors_in_generator(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        with naming_os_errors(lambda: self.path):
+        with naming_os_errors(self):
             return (yield from method(self, *args, **kwargs))
 
     return wrapper

@@ -218,9 +218,9 @@ class Session:
             if self.remote is not None:  # after the HDF5 file, which reads through it
                 self.remote.close()
                 _OPEN_REMOTE.discard(self)
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+            if self._lock is not None:  # also when HDF5 failed to close (a full disk)
+                self._lock.release()
+                self._lock = None
 
     # -- opening ------------------------------------------------------------------------------
     def _open_remote(self, storage_options, block_bytes, block_cache_bytes) -> None:
