@@ -7,6 +7,7 @@ from collections.abc import Iterator, MutableMapping
 import h5py
 
 from fkvstore import layout
+from fkvstore.errors import ChecksumError
 
 __all__ = ["Attrs", "check_attrs_storable"]
 
@@ -37,24 +38,37 @@ class Attrs(MutableMapping):
     def __getitem__(self, key: str):
         if not isinstance(key, str) or key.startswith(layout.RESERVED_PREFIX):
             raise KeyError(key)
-        value = self._group().attrs[key]
+        with layout.damaged_metadata(f"attribute {key!r} of {self._path!r}"):
+            value = self._group().attrs[key]
+        self._check()
         return value.decode("utf-8") if isinstance(value, bytes) else value
 
     def __setitem__(self, key: str, value) -> None:
         key = self._check_key(key)
         with self._session.structural():
+            self._check()  # never seal damage in
             self._group().attrs[key] = value
+            layout.seal_attrs(self._group())
 
     def __delitem__(self, key: str) -> None:
         key = self._check_key(key)
         if key not in self:
             raise KeyError(key)
         with self._session.structural():
+            self._check()
             del self._group().attrs[key]
+            layout.seal_attrs(self._group())
 
     def __iter__(self) -> Iterator[str]:
-        keys = list(self._group().attrs.keys())
+        with layout.damaged_metadata(f"the attributes of {self._path!r}"):
+            keys = list(self._group().attrs.keys())
         return iter([k for k in keys if not k.startswith(layout.RESERVED_PREFIX)])
+
+    def _check(self) -> None:
+        """ChecksumError when the user attributes do not match their stored CRC-32."""
+        problem = layout.attrs_problem(self._group(), user=True)
+        if problem is not None:
+            raise ChecksumError(problem)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

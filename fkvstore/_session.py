@@ -40,8 +40,10 @@ from typing import NamedTuple
 import h5py
 
 from fkvstore import _journal, _remote, layout
+from fkvstore._bounds import check_recorded_end
 from fkvstore._hdf5 import open_swmr_reader
 from fkvstore._lock import WriterLock
+from fkvstore._os_errors import named_os_errors, named_os_errors_in_generator
 from fkvstore._superblock import clear_status_flags, open_cleared_view, read_superblock
 from fkvstore.errors import (
     ArchiveClosedError,
@@ -86,6 +88,7 @@ class Session:
     ``storage_options``, ``block_bytes`` and ``block_cache_bytes`` configure the
     :class:`~fkvstore._remote.RemoteObject` it reads through (``remote`` is then that object)."""
 
+    @named_os_errors
     def __init__(self, path: str | os.PathLike, mode: str, library_version: str, *,
                  durability: str | None = None, storage_options: dict | None = None,
                  block_bytes: int | None = None, block_cache_bytes: int | None = None):
@@ -175,6 +178,7 @@ class Session:
             member.detach()
 
     @contextmanager
+    @named_os_errors_in_generator
     def structural(self) -> Iterator[None]:
         """Run a change of the file's structure (new objects, attributes) outside SWMR mode.
 
@@ -201,6 +205,7 @@ class Session:
         finally:
             self._enter_swmr()
 
+    @named_os_errors
     def commit(self, stages: Iterable[Callable[[], Pending]], sync: bool = False) -> None:
         """Two-phase commit of the streams whose ``stage()`` callables are given: each writes its
         data and returns its :class:`Pending` record; after an HDF5 flush the records are
@@ -242,6 +247,7 @@ class Session:
                 _journal.fsync_directory(self.path)
                 self._created = False
 
+    @named_os_errors
     def close(self) -> None:
         """Detach every bound stream, close the file and release the writer lock. Idempotent;
         commits nothing (:meth:`flush` first)."""
@@ -264,7 +270,7 @@ class Session:
             if self.remote is not None:  # after the HDF5 file, which reads through it
                 self.remote.close()
                 _OPEN_REMOTE.discard(self)
-            if self._lock is not None:  # also when closing failed: the file is not ours now
+            if self._lock is not None:  # also when closing failed (a full disk): not ours now
                 self._lock.release()
                 self._lock = None
 
@@ -393,6 +399,7 @@ def _recover_if_needed(path: str) -> None:
         sb = read_superblock(path)
         if sb is None:
             return
+        check_recorded_end(path, sb.base_address + sb.eof_address)
         if sb.status_flags or os.path.getsize(path) < sb.base_address + sb.eof_address:
             view = open_cleared_view(path)
             try:

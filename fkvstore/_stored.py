@@ -16,6 +16,7 @@ import h5py
 import numpy as np
 
 from fkvstore import layout
+from fkvstore._bounds import file_bytes
 from fkvstore._session import Pending
 from fkvstore.codec import Codec
 from fkvstore.errors import ArchiveClosedError, ArchiveFormatError, ChecksumError, FkvError
@@ -108,7 +109,7 @@ class StoredPoints:
             blk = layout.read_block(self._ds.points, b, B, rows)
         except FkvError:  # a named failure of the storage (a remote archive): not damage
             raise
-        except (OSError, ValueError) as exc:
+        except (OSError, RuntimeError, ValueError) as exc:
             self._raise_if_stale()
             raise ChecksumError(
                 f"stream {self.name!r}: chunk {b} cannot be read ({exc}); the file is damaged"
@@ -148,7 +149,7 @@ class StoredPoints:
                 t = layout.read_tail(self._ds.tail, c.tail_slot)
             except FkvError:
                 raise
-            except (OSError, ValueError) as exc:
+            except (OSError, RuntimeError, ValueError) as exc:
                 self._raise_if_stale()
                 raise ChecksumError(f"stream {self.name!r}: tail unreadable ({exc})") from exc
             if layout.checksum(t) != c.tail_crc:
@@ -334,7 +335,7 @@ def read_commit_checked(points: h5py.Dataset, span: int, after_read=None) -> Com
         c = layout.read_commit(points)
     except FkvError:
         raise
-    except (OSError, KeyError, ValueError, TypeError) as exc:
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as exc:
         raise ArchiveFormatError(f"{points.name}: commit record unreadable ({exc})") from exc
     if after_read is not None:
         after_read()
@@ -348,8 +349,17 @@ def read_commit_checked(points: h5py.Dataset, span: int, after_read=None) -> Com
         problem = f"tail_slot={c.tail_slot} is not 0 or 1"
     elif points.shape[0] < c.full_spans:
         problem = f"full_spans={c.full_spans} exceeds the {points.shape[0]} rows of points"
+    elif _committed_bytes(points, c) > (size := file_bytes(points.file)):
+        problem = (f"full_spans={c.full_spans} needs {_committed_bytes(points, c)} bytes of "
+                   f"chunks, more than the {size} bytes of the whole file")
     if problem is not None:
         raise ArchiveFormatError(
             f"{points.name}: commit record {c} is inconsistent ({problem}); damaged file"
         )
     return c
+
+
+def _committed_bytes(points: h5py.Dataset, c: Commit) -> int:
+    """Bytes of the chunks of ``points`` holding ``c``'s full spans (each chunk whole)."""
+    rows = points.chunks[0] if points.chunks else 1
+    return -(-c.full_spans // rows) * rows * points.dtype.itemsize * int(np.prod(points.shape[1:]))

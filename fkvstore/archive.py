@@ -340,8 +340,12 @@ class Archive:
 
     def verify(self, progress=None) -> dict[str, list[str]]:
         """Check every stream (:meth:`Stream.verify`) and array; ``{name: problems}`` with an
-        entry for every stream and array (``arrays/<name>`` for arrays), empty lists when intact."""
+        entry for every stream and array (``arrays/<name>`` for arrays), empty lists when intact,
+        and an entry ``"/"`` when the archive's own attributes do not match their CRC-32."""
         report = {}
+        root = layout.attrs_problems(self._session.h5)
+        if root:
+            report["/"] = root
         for name in self:
             try:
                 report[name] = self[name].verify(progress)

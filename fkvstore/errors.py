@@ -13,6 +13,7 @@ __all__ = [
     "ArchiveClosedError",
     "ArchiveFormatError",
     "ArchiveLinkError",
+    "ArchiveParentError",
     "ArchiveLockedError",
     "ChecksumError",
     "StreamNotFoundError",
@@ -20,6 +21,10 @@ __all__ = [
     "PositionError",
     "ArchiveExistsError",
     "ArchiveReadOnlyError",
+    "ArchiveIOError",
+    "ArchiveDiskFullError",
+    "ArchivePermissionError",
+    "ArchiveReadOnlyFileSystemError",
     "RemoteArchiveError",
     "RemoteAuthError",
     "RemoteModeError",
@@ -47,6 +52,12 @@ class ArchiveLinkError(ArchiveFormatError):
     """An object of the archive is a link (external or soft), a virtual dataset or a dataset
     with external raw storage: fkvstore never follows these, so that a file cannot make it read
     (or write) anything outside itself."""
+
+
+class ArchiveParentError(ArchiveLinkError):
+    """An attribute naming another archive file (a serving fork's ``parent``) that is not a
+    relative path, resolves (symbolic links followed) outside the directory the caller allows,
+    closes a cycle, or starts a chain of parents deeper than the limit."""
 
 
 class ArchiveLockedError(FkvError, OSError):
@@ -78,6 +89,26 @@ class ArchiveExistsError(FkvError, FileExistsError):
 
 class ArchiveReadOnlyError(FkvError, PermissionError):
     """A change to an archive that was opened read-only (mode ``"r"``)."""
+
+
+class ArchiveIOError(FkvError, OSError):
+    """The operating system refused to read or write an archive's file (or its lock).
+    ``errno``, ``strerror`` and ``filename`` are those of the refusal; the message keeps the
+    underlying (HDF5) report."""
+
+
+class ArchiveDiskFullError(ArchiveIOError):
+    """No space left on the device (``ENOSPC``) or the user's disk quota exceeded (``EDQUOT``)
+    while writing an archive."""
+
+
+class ArchivePermissionError(ArchiveIOError, PermissionError):
+    """The file or its folder may not be read or written by this user (``EACCES``, ``EPERM``)."""
+
+
+class ArchiveReadOnlyFileSystemError(ArchiveIOError):
+    """A write to an archive on a file system mounted read-only (``EROFS``): open it with mode
+    ``"r"``."""
 
 
 class RemoteArchiveError(FkvError, OSError):

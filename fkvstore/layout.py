@@ -21,12 +21,15 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import astuple, dataclass
 
 import h5py
 import numpy as np
 
-from fkvstore.errors import ArchiveFormatError, ArchiveLinkError
+from fkvstore._bounds import check_array_size
+from fkvstore.errors import ArchiveFormatError, ArchiveLinkError, ChecksumError
 
 __all__ = [
     "ARRAYS",
@@ -49,8 +52,13 @@ __all__ = [
     "has_link",
     "create_stream_group",
     "finished_names",
+    "attrs_crc",
+    "attrs_problem",
+    "attrs_problems",
+    "damaged_metadata",
     "get_checked_array",
     "put_checked_array",
+    "seal_attrs",
     "read_block",
     "read_commit",
     "read_stream_info",
@@ -79,6 +87,11 @@ COMMIT_ATTR = "fkv_commit"
 # on '/' of a copy laid out for remote reads (fkvstore/_repack.py): the number of leading bytes
 # that hold all metadata and small data; a remote reader fetches them in one request
 REMOTE_HEAD_ATTR = "fkv_remote_head"
+#: CRC-32s of a group's attributes: fkvstore's own (``fkv_*``, these two and the remote head
+#: aside) and the user's (format version 1, additive: absent in older files, then unchecked)
+CONFIG_CRC_ATTR = "fkv_config_crc32"
+USER_CRC_ATTR = "fkv_attrs_crc32"
+_UNSEALED = (CONFIG_CRC_ATTR, USER_CRC_ATTR, REMOTE_HEAD_ATTR)
 COMMIT_FIELDS = (
     "length",  # committed rows
     "full_spans",  # complete spans stored in `points` (= length // span)
@@ -161,12 +174,14 @@ def create_stream_group(
     pts.attrs.create(COMMIT_ATTR, Commit().to_array())
     g.create_dataset(TAIL, shape=(2, width, 2), chunks=(1, width, 2), dtype=POINT_DTYPE)
     g.create_dataset(BLOCK_CRC, shape=(0,), maxshape=(None,), chunks=(1024,), dtype=CRC_DTYPE)
+    seal_attrs(g)
     return g
 
 
 def child(group: h5py.Group, name: str) -> h5py.Group | h5py.Dataset | None:
     """Object ``name`` of ``group``, or None when there is none; ArchiveLinkError when it is a
-    soft or external link, a virtual dataset or a dataset with external raw storage.
+    soft or external link, an object with more than one hard link (an alias), a virtual
+    dataset or a dataset with external raw storage.
 
     The link is inspected before it is followed: an external link would open another file
     (even ``name in group`` does), a virtual dataset or external storage reads other files'
@@ -174,21 +189,53 @@ def child(group: h5py.Group, name: str) -> h5py.Group | h5py.Dataset | None:
     if "/" in name:  # a path: its leading parts would be resolved unchecked
         return None
     where = f"{group.name.rstrip('/')}/{name}"
-    link = group.get(name, getlink=True)
-    if link is None:
-        return None
-    if not isinstance(link, h5py.HardLink):
+    try:
+        link = group.get(name, getlink=True)
+        if link is None:
+            return None
+        if not isinstance(link, h5py.HardLink):
+            raise ArchiveLinkError(
+                f"{where!r} is a {type(link).__name__}: fkvstore archives hold no links, and "
+                "fkvstore does not follow them (a link can point outside the file)"
+            )
+        obj = group[name]
+        links = h5py.h5o.get_info(obj.id).rc
+    except (KeyError, OSError, RuntimeError) as exc:  # damaged metadata, or a writer's change
+        if _gone(group, name):  # a writer deleted it meanwhile
+            return None
+        raise ArchiveFormatError(f"{where!r} cannot be opened ({exc}): the file is damaged") \
+            from exc
+    if links != 1:  # one object under two names: writes through one would corrupt the other
         raise ArchiveLinkError(
-            f"{where!r} is a {type(link).__name__}: fkvstore archives hold no links, and "
-            "fkvstore does not follow them (a link can point outside the file)"
+            f"{where!r} is one object under {links} names (hard links): fkvstore archives "
+            "give each object one name, and an alias would let two streams or arrays share, "
+            "and overwrite, the same data"
         )
-    obj = group[name]
     if isinstance(obj, h5py.Dataset) and (obj.is_virtual or obj.external):
         what = "a virtual dataset" if obj.is_virtual else "stored in external files"
         raise ArchiveLinkError(
             f"dataset {where!r} is {what}: fkvstore reads only data inside the archive file"
         )
     return obj
+
+
+@contextmanager
+def damaged_metadata(where: str) -> Iterator[None]:
+    """HDF5's reports of metadata it cannot decode (``OSError``, ``RuntimeError``, a
+    ``KeyError`` about a checksum) raised inside leave as ChecksumError naming ``where``."""
+    try:
+        yield
+    except (OSError, RuntimeError, KeyError) as exc:
+        if isinstance(exc, KeyError) and "checksum" not in str(exc):
+            raise  # a missing name
+        raise ChecksumError(f"{where} cannot be read ({exc}): the file is damaged") from exc
+
+
+def _gone(group: h5py.Group, name: str) -> bool:
+    try:
+        return group.get(name, getlink=True) is None
+    except (KeyError, OSError, RuntimeError):
+        return False
 
 
 def has_link(group: h5py.Group, name: str) -> bool:
@@ -213,10 +260,14 @@ def _unfiltered_chunks(ds: h5py.Dataset, chunks: tuple[int, ...]) -> bool:
 
 
 def read_stream_info(g: h5py.Group) -> StreamInfo:
-    """The description of the stream in group ``g``; ArchiveFormatError when it is incomplete,
-    or when an attribute that decides a size disagrees with the datasets: the readers trust
-    ``fkv_width`` and ``fkv_block_spans`` when they lay out raw chunk bytes, so a mismatch
-    would make them read or write past a buffer."""
+    """The description of the stream in group ``g``; ChecksumError when its attributes do not
+    match their CRC-32, ArchiveFormatError when it is incomplete, or when an attribute that
+    decides a size disagrees with the datasets: the readers trust ``fkv_width`` and
+    ``fkv_block_spans`` when they lay out raw chunk bytes, so a mismatch would make them read
+    or write past a buffer."""
+    problem = attrs_problem(g, user=False)
+    if problem is not None:
+        raise ChecksumError(problem)
     try:
         info = StreamInfo(
             kind=str(g.attrs["fkv_kind"]),
@@ -224,7 +275,7 @@ def read_stream_info(g: h5py.Group) -> StreamInfo:
             width=int(g.attrs["fkv_width"]),
             block_spans=int(g.attrs["fkv_block_spans"]),
         )
-    except (KeyError, ValueError, TypeError) as exc:
+    except (KeyError, ValueError, TypeError, OSError, RuntimeError) as exc:
         raise ArchiveFormatError(
             f"stream group {g.name!r} is incomplete or damaged ({exc}); the archive was not "
             "written by a compatible fkvstore"
@@ -306,7 +357,12 @@ def write_tail(tail: h5py.Dataset, slot: int, point: np.ndarray) -> None:
 
 def check_format(f: h5py.File, path: str | os.PathLike) -> None:
     """Raise ArchiveFormatError unless ``f`` is an fkvstore archive this version can read."""
-    name = f.attrs.get("fkv_format")
+    try:
+        name = f.attrs.get("fkv_format")
+        version = int(f.attrs.get("fkv_format_version", -1))
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as exc:
+        raise ArchiveFormatError(f"{os.fspath(path)!r}: root attributes damaged ({exc})") \
+            from exc
     if isinstance(name, bytes):
         name = name.decode("utf-8", "replace")
     if name != FORMAT_NAME:
@@ -314,12 +370,14 @@ def check_format(f: h5py.File, path: str | os.PathLike) -> None:
             f"{os.fspath(path)!r} is an HDF5 file but not an fkvstore archive (no "
             "fkv_format='fkvstore' attribute on '/'); open it with h5py instead"
         )
-    version = int(f.attrs.get("fkv_format_version", -1))
     if version > FORMAT_VERSION:
         raise ArchiveFormatError(
             f"{os.fspath(path)!r} uses archive format version {version}; this fkvstore reads "
             f"versions up to {FORMAT_VERSION}: upgrade fkvstore"
         )
+    problem = attrs_problem(f, user=False)
+    if problem is not None:
+        raise ChecksumError(f"{os.fspath(path)!r}: {problem}")
     if version < 1 or not all(isinstance(child(f, g), h5py.Group) for g in (STREAMS, ARRAYS)):
         raise ArchiveFormatError(f"{os.fspath(path)!r}: archive layout incomplete or damaged")
 
@@ -328,6 +386,7 @@ def init_file(f: h5py.File, library_version: str) -> None:
     f.attrs["fkv_format"] = FORMAT_NAME
     f.attrs["fkv_format_version"] = 1
     f.attrs["fkv_library_version"] = library_version
+    seal_attrs(f)
     f.create_group(STREAMS)
     f.create_group(ARRAYS)
 
@@ -348,6 +407,7 @@ def record_durability(f: h5py.File, level: str) -> None:
     if level == "fsync":
         f.attrs["fkv_format_version"] = 2
     f.attrs[DURABILITY_ATTR] = level
+    seal_attrs(f)  # the file's format was checked (CRC included) when it was opened
 
 
 def _le_bytes(arr: np.ndarray) -> bytes:
@@ -387,14 +447,16 @@ def finished_names(group: h5py.Group) -> list[str]:
 
 
 def get_checked_array(ds: h5py.Dataset) -> np.ndarray:
-    """The array stored by :func:`put_checked_array`; ChecksumError when its bytes changed."""
-    from fkvstore.errors import ChecksumError, FkvError
+    """The array stored by :func:`put_checked_array`; ChecksumError when its bytes changed,
+    ArchiveFormatError (before reading) when it is filtered or declares more than the file."""
+    from fkvstore.errors import FkvError
 
+    check_array_size(ds)
     try:
         arr = ds[()]
     except FkvError:  # a named failure of the storage (a remote archive): not damage
         raise
-    except OSError as exc:  # HDF5 reports damaged metadata or data this way
+    except (OSError, RuntimeError) as exc:  # HDF5 reports damaged metadata or data so
         raise ChecksumError(f"array {ds.name!r} cannot be read: {exc}") from exc
     arr = np.asarray(arr)
     expected = ds.attrs.get("fkv_crc32")
@@ -403,3 +465,59 @@ def get_checked_array(ds: h5py.Dataset) -> np.ndarray:
             f"array {ds.name!r} does not match its stored CRC-32: the file is damaged"
         )
     return arr
+
+
+# -- checksums over attributes --------------------------------------------------------------
+def _attr_bytes(name: str, value) -> bytes:
+    """A canonical encoding of one attribute as h5py reads it back."""
+    if isinstance(value, bytes):
+        body = b"b" + value
+    elif isinstance(value, str):
+        body = b"s" + value.encode("utf-8", "surrogatepass")
+    else:
+        arr = np.asarray(value)
+        body = (b"o" + repr(arr.tolist()).encode() if arr.dtype.kind == "O" else
+                arr.dtype.str.encode() + repr(arr.shape).encode() + arr.tobytes())
+    key = name.encode("utf-8", "surrogatepass")
+    return len(key).to_bytes(4, "little") + key + len(body).to_bytes(8, "little") + body
+
+
+def attrs_crc(obj: h5py.Group | h5py.Dataset, *, user: bool) -> int:
+    """CRC-32 over the attributes of ``obj`` in name order: the user's (``user=True``, names
+    without the ``fkv_`` prefix) or fkvstore's own (the CRC attributes and the remote head
+    aside)."""
+    crc = 0
+    for name in sorted(obj.attrs.keys()):
+        if name in _UNSEALED or name.startswith(RESERVED_PREFIX) == user:
+            continue
+        crc = zlib.crc32(_attr_bytes(name, obj.attrs[name]), crc)
+    return crc
+
+
+def seal_attrs(obj: h5py.Group | h5py.Dataset) -> None:
+    """Store both attribute CRC-32s of ``obj``; call after every change of its attributes."""
+    obj.attrs[CONFIG_CRC_ATTR] = np.uint32(attrs_crc(obj, user=False))
+    obj.attrs[USER_CRC_ATTR] = np.uint32(attrs_crc(obj, user=True))
+
+
+def attrs_problem(obj: h5py.Group | h5py.Dataset, *, user: bool) -> str | None:
+    """What is wrong with the user's (``user=True``) or fkvstore's attributes of ``obj``
+    against their stored CRC-32, or None (also when no CRC is stored: an older file)."""
+    name = USER_CRC_ATTR if user else CONFIG_CRC_ATTR
+    try:
+        stored = obj.attrs.get(name)
+        if stored is None:
+            return None
+        actual = attrs_crc(obj, user=user)
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as exc:
+        return f"the attributes of {obj.name!r} cannot be read ({exc}): the file is damaged"
+    if actual != int(stored):
+        what = "user attributes" if user else "fkvstore's attributes (codec, layout)"
+        return (f"the {what} of {obj.name!r} do not match their CRC-32 ({name}): the file is "
+                "damaged")
+    return None
+
+
+def attrs_problems(obj: h5py.Group | h5py.Dataset) -> list[str]:
+    """:func:`attrs_problem` for fkvstore's and the user's attributes of ``obj``."""
+    return [p for p in (attrs_problem(obj, user=u) for u in (False, True)) if p is not None]

@@ -213,10 +213,9 @@ class Stream(SearchMixin):
                 if blk is None:
                     blk = stored.block(b)
                 if self._grid_args is not None:
-                    # the kernel reads the one symbol straight from the cached chunk (numba's
-                    # stubs type a jit function's __call__ as taking no arguments)
+                    # the kernel reads the one symbol straight from the cached chunk
                     if (
-                        _grid_decode(  # type: ignore[call-arg]
+                        _grid_decode(
                             blk, b * self.block_spans, L, i, i + 1, *self._grid_args, self._out
                         )
                         < 0
@@ -458,14 +457,20 @@ class Stream(SearchMixin):
                 self._stored.forget(-1)
             try:
                 self._decode(s0 * m, min(c.length, s1 * m))
-            except (ChecksumError, InvalidPointError) as exc:
+            except (ChecksumError, InvalidPointError, ArchiveFormatError) as exc:
                 problems.append(str(exc))
             if progress is not None:
                 progress(1)
-        for key in self.aux_array_names():  # derived data, but damage is damage
+        problems += layout.attrs_problems(self._session.h5[self._group_path])
+        try:  # derived data, but damage is damage (a link or an alias too)
+            keys = self.aux_array_names()
+        except ArchiveFormatError as exc:
+            problems.append(str(exc))
+            keys = []
+        for key in keys:
             try:
                 self.get_aux_array(key)
-            except ChecksumError as exc:
+            except (ChecksumError, ArchiveFormatError) as exc:
                 problems.append(str(exc))
         return problems
 
@@ -496,7 +501,9 @@ class Stream(SearchMixin):
             raise StreamNotFoundError(f"stream {self.name!r} has no aux array {key!r}")
         if not isinstance(ds, h5py.Dataset):
             raise ArchiveFormatError(f"stream {self.name!r}: aux {key!r} is not a dataset")
-        attrs = {k: v for k, v in ds.attrs.items() if not k.startswith(layout.RESERVED_PREFIX)}
+        with layout.damaged_metadata(f"the attributes of aux array {ds.name!r}"):
+            attrs = {k: v for k, v in ds.attrs.items()
+                     if not k.startswith(layout.RESERVED_PREFIX)}
         return layout.get_checked_array(ds), attrs
 
     def aux_array_names(self) -> list[str]:

@@ -11,10 +11,11 @@ a large archive restores the walk instead of recomputing it. The stored arrays s
 tag (build id, committed length, generation, rewind count); a stale, torn or damaged stored index
 is ignored and rebuilt, since it is derived data.
 
-The KD-trees are rebuilt from the stored walk points on load unless the stream's
-``trust_index`` is set: their node bytes are scipy's in-memory records, which scipy follows as
-pointers, so a crafted file could make it touch arbitrary memory. Trusted node bytes are still
-checked (:mod:`fkvstore.index._tree_state`) before use; see docs/search.md.
+The stored index is used only when the stream's ``trust_index`` is set; otherwise the index is
+rebuilt from the stream's checksummed points: the KD-trees' node bytes are scipy's in-memory
+records, which scipy follows as pointers, so a crafted file could make it touch arbitrary
+memory, and a crafted walk (with a valid CRC-32) would hide matches. Trusted node bytes are
+still checked (:mod:`fkvstore.index._tree_state`) before use; see docs/search.md.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class SearchMixin:
 
     _search_indexes: dict[int, SuffixIndex]
     #: restore a persisted index's KD-trees from their stored node bytes (checked, but the
-    #: bytes of scipy's own records) instead of rebuilding them from the walk points; set it
+    #: bytes of scipy's own records) and its walk points instead of rebuilding them; set it
     #: before the first query, on archives you wrote yourself (docs/search.md)
     trust_index: bool = False
     # the rest is Stream's, which this class is mixed into (declared for the type checker)
@@ -172,11 +173,12 @@ class SearchMixin:
 
     def _load_index(self, column: int, n: int) -> SuffixIndex:
         symbols = self.read(0, n)[:, column]
-        saved = self._saved_index_state(column)
+        # an untrusted stored walk could hide matches (a CRC-32 proves nothing against a
+        # crafted file): rebuilt from the checksummed points, it costs one linear pass
+        saved = self._saved_index_state(column) if self.trust_index else None
         if saved is not None:
             state, tree_format = saved
-            return SuffixIndex.from_state(self.codec, symbols, state,
-                                          tree_format if self.trust_index else "")
+            return SuffixIndex.from_state(self.codec, symbols, state, tree_format)
         return SuffixIndex.build(self.codec, symbols)
 
     def _saved_index_state(self, column: int):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+
+from fkvstore._jit import cached_njit
 
 # reasons a point is rejected (decoded by fkvstore.codec.chaos_game)
 BAD_RANGE = 1  # outside the attractor's bounding region (or NaN)
@@ -25,7 +26,7 @@ FEW_VERTICES = 32  # ring decode: up to this many symbols, classify by dot produ
 
 
 # --------------------------------------------------------------------------------------- grid
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def _powers_of_k(bits, span):
     """k**j = 2**(bits*j) for j = 0..span, exact in float64."""
     out = np.empty(span + 1)
@@ -37,7 +38,7 @@ def _powers_of_k(bits, span):
     return out
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def grid_encode(symbols, init, init_count, span, bits, alphabet_size, out):
     """Encode ``symbols (n, W)`` into ``out (S, W, 2)``; the first span continues ``init``."""
     n, width = symbols.shape
@@ -72,7 +73,7 @@ def grid_encode(symbols, init, init_count, span, bits, alphabet_size, out):
     return -1
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def grid_decode(points, first_span, length, start, stop, span, bits, alphabet_size, out):
     """Decode positions ``[start, stop)`` into ``out (stop - start, W)``.
 
@@ -111,7 +112,7 @@ def grid_decode(points, first_span, length, start, stop, span, bits, alphabet_si
     return -1
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def grid_walk(symbols, px, py, bits, alphabet_size, out):
     """Continuous walk p <- (V(c) + p) / k from ``(px, py)``, never restarted: ``out (n, 2)``."""
     mask = (1 << bits) - 1
@@ -128,7 +129,7 @@ def grid_walk(symbols, px, py, bits, alphabet_size, out):
 
 
 # --------------------------------------------------------------------------------------- ring
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def ring_encode(symbols, init, init_count, span, centres, ratio, out):
     """Encode with p <- A(c) + r p, A(c) = (1 - r) V(c) = ``centres[c]``; the first span
     continues ``init``. ``centres (N, 2)``: x and y side by side, one cache line per look-up."""
@@ -156,7 +157,7 @@ def ring_encode(symbols, init, init_count, span, centres, ratio, out):
     return -1
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def ring_decode(points, first_span, length, start, stop, span, centres, inv_ratio,
                 radius2, origin_tol2, out):
     """Decode positions ``[start, stop)`` by walking each span backward to its origin.
@@ -208,7 +209,7 @@ def ring_decode(points, first_span, length, start, stop, span, centres, inv_rati
     return -1
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def ring_walk(symbols, px, py, centres, ratio, out):
     """Continuous walk p <- A(c) + r p from ``(px, py)``, never restarted: ``out (n, 2)``."""
     alphabet_size = centres.shape[0]

@@ -4,12 +4,12 @@ brute-force ball query over the small buffer of recently appended positions."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from fkvstore._jit import cached_njit
 from fkvstore.codec._kernels import grid_decode, ring_decode
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def common_suffix(points, length, cands, query, ring, grid_args, ring_args, out):
     """``out[t]``: how many of the query's last symbols the stream ends with at ``cands[t]``
     (capped at the query length), decoding the stream's stored span points ``(S, 1, 2)``
@@ -43,7 +43,7 @@ def common_suffix(points, length, cands, query, ring, grid_args, ring_args, out)
     return -1
 
 
-@njit(cache=True, nogil=True)
+@cached_njit(nogil=True)
 def ball_brute(points, qx, qy, radius, offset):
     """Indices (plus ``offset``) of ``points (n, 2)`` within ``radius`` of ``(qx, qy)``."""
     r2 = radius * radius

@@ -46,7 +46,7 @@ from model_adapters.store.archive_io import (
     read_quantizer,
     require_fkvstore,
 )
-from model_adapters.store.serving_streams import ChainedStream
+from model_adapters.store.serving_streams import ChainedStream, file_key, resolve_parent
 
 __all__ = ["TOKENS_STREAM", "ServingArchive", "create", "fork", "resume"]
 
@@ -381,6 +381,7 @@ def resume(
     backend: str = "auto",
     tokenizer=None,
     allow_different_weights: bool = False,
+    root=None,
 ) -> ServingArchive:
     """Reopen an archive and rebuild its cache from codes and the exact window (no prefill).
 
@@ -393,18 +394,23 @@ def resume(
         quantizer: if given, must equal the archive's codebooks (a check, not a replacement).
         allow_different_weights: accept a model of the archive's architecture whose weights
             differ from those it was written with.
+        root: for a fork, the folder that must hold every archive of its chain of parents
+            (default: ``path``'s folder); a ``parent`` attribute is never followed outside it.
 
     Raises:
         ValueError: another model configuration, other weights, other codebooks, no
             checkpoint, or streams shorter than the checkpoint; the archive is left unchanged.
             An archive that records only the configuration opens with a warning.
+        fkvstore.errors.ArchiveParentError: a ``parent`` attribute that is absolute, leads
+            outside ``root`` (``..`` or a symbolic link), closes a cycle or makes a chain longer
+            than :data:`~model_adapters.store.serving_streams.MAX_PARENTS`.
     """
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
     opened = []
     bind = {"identity": model_identity(model), "allow_different_weights": allow_different_weights}
     try:
-        ar, codes_view, tokens = _open_chain(path, mode, model, opened, bind)
+        ar, codes_view, tokens = _open_chain(path, mode, model, opened, bind, root)
         cache = _rebuild(ar, model, quantizer, backend, codes_view, tokens, bind)
     except BaseException:
         for a in opened:
@@ -422,31 +428,47 @@ def resume(
     )
 
 
-def _open_chain(path, mode, model, opened, bind):
+def _open_chain(path, mode, model, opened, bind, root=None, seen=None):
     """Open ``path`` and, for a fork, its parents (read-only); appends every archive opened to
     ``opened`` (``path``'s first). Returns ``(archive, codes view, tokens view)``. ``bind``:
-    the model's identity and ``allow_different_weights``."""
+    the model's identity and ``allow_different_weights``; ``root``: the folder every parent
+    must lie in (default ``path``'s); ``seen``: the files of the chain so far."""
+    root = Path(path).resolve().parent if root is None else root
+    seen = [file_key(path)] if seen is None else seen
     ar = require_fkvstore().open(path, mode)
     opened.append(ar)
     attrs = ar.attrs
     if "parent" not in attrs:
         return ar, ChainedStream(ar[CODES_STREAM]), ChainedStream(ar[TOKENS_STREAM])
-    parent_path = Path(path).parent / str(attrs["parent"])
-    parent, p_codes, p_tokens = _open_chain(parent_path, "r", model, opened, bind)
+    fork_point = {k: _row_count(ar, k) for k in ("parent_archived", "parent_tokens")}
+    parent_file = resolve_parent(path, attrs["parent"], root, seen)
+    parent, p_codes, p_tokens = _open_chain(parent_file, "r", model, opened, bind, root, seen)
     mine, theirs = read_quantizer(ar, model, **bind), read_quantizer(parent, model, **bind)
     for side in ("key_codebooks", "value_codebooks"):
         if not torch.equal(getattr(mine, side), getattr(theirs, side)):
             raise ValueError(f"{ar!r} and its parent {parent!r} hold different codebooks")
     return (
         ar,
-        ChainedStream(ar[CODES_STREAM], p_codes, int(attrs["parent_archived"])),
-        ChainedStream(ar[TOKENS_STREAM], p_tokens, int(attrs["parent_tokens"])),
+        ChainedStream(ar[CODES_STREAM], p_codes, fork_point["parent_archived"]),
+        ChainedStream(ar[TOKENS_STREAM], p_tokens, fork_point["parent_tokens"]),
+    )
+
+
+def _row_count(ar, name) -> int:
+    """Attribute ``name`` of ``ar``: a row count (a non-negative integer), else
+    ``ArchiveFormatError`` naming it."""
+    value = ar.attrs.get(name)
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0:
+        return int(value)
+    shown = value.item() if isinstance(value, np.generic) else value
+    raise require_fkvstore().errors.ArchiveFormatError(
+        f"{ar!r}: attribute {name}={shown!r} is not a row count"
     )
 
 
 def fork(
     parent_path, path, model, *, backend: str = "auto", tokenizer=None, mode: str = "w-",
-    allow_different_weights: bool = False,
+    allow_different_weights: bool = False, root=None,
 ) -> ServingArchive:
     """A new archive at ``path`` continuing ``parent_path`` from its last checkpoint.
 
@@ -454,10 +476,16 @@ def fork(
     fork; the shared past stays in the parent (opened read-only while the fork is open), so
     any number of forks cost no copy of it. The parent must not be cropped below the fork point
     afterwards (a fork then refuses to open). Cropping the fork below the fork point is refused.
-    ``allow_different_weights`` as in :func:`resume`.
+    ``allow_different_weights`` as in :func:`resume`. ``root`` (default: ``path``'s folder) must
+    hold the parent and its own chain, as :func:`resume` of the fork will require; otherwise
+    ``fkvstore.errors.ArchiveParentError`` before anything is written.
     """
+    root = Path(path).resolve().parent if root is None else Path(root)
+    here = Path(path).resolve().parent
+    relative = os.path.relpath(Path(parent_path).resolve(), here)
+    resolve_parent(Path(path).resolve(), relative, root, [file_key(path)])
     parent = resume(parent_path, model, mode="r", backend=backend,
-                    allow_different_weights=allow_different_weights)
+                    allow_different_weights=allow_different_weights, root=root)
     cache = parent.cache
     cache.archive_hooks.remove(parent)
     try:
@@ -468,8 +496,7 @@ def fork(
     except BaseException:
         parent.close()
         raise
-    here = Path(path).resolve().parent
-    ar.attrs["parent"] = os.path.relpath(Path(parent_path).resolve(), here)
+    ar.attrs["parent"] = relative
     ar.attrs["parent_tokens"] = len(parent.tokens)
     ar.attrs["parent_archived"] = cache.archived_tokens
     own_tokens = ar.create_stream(TOKENS_STREAM, alphabet_size=_vocab_size(model), width=1)

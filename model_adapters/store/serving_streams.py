@@ -2,13 +2,17 @@
 
 A forked serving archive stores only what came after the fork point; reads below ``base`` go to
 the parent archive (opened read-only), so two continuations share one copy of their past.
+:func:`resolve_parent` checks the ``parent`` attribute that names that archive before it is
+opened (an attribute of a file from elsewhere is hostile input).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
-__all__ = ["ChainedStream"]
+__all__ = ["MAX_PARENTS", "ChainedStream", "file_key", "resolve_parent"]
 
 
 class ChainedStream:
@@ -82,3 +86,54 @@ class ChainedStream:
                 "(the fork point)"
             )
         self.own.truncate(n - self.base)
+
+
+#: the most archives a chain of forks may reach through ``parent`` attributes
+MAX_PARENTS = 64
+
+
+def resolve_parent(child, value, root, seen) -> Path:
+    """The file a fork's ``parent`` attribute ``value`` names, checked before it is opened.
+
+    ``value`` must be a relative path (from ``child``'s folder) that resolves, symbolic links
+    followed, inside ``root``; ``seen`` holds the :func:`file_key` of each file of the chain so
+    far (``child`` first) and grows by the result's. Raises
+    ``fkvstore.errors.ArchiveParentError`` naming the value: an absolute path, an escape from
+    ``root`` (``..`` or a link), a file already in the chain (a cycle), or a chain longer than
+    :data:`MAX_PARENTS`.
+    """
+    from fkvstore.errors import ArchiveParentError
+
+    child = Path(child)
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise ArchiveParentError(f"{child}: parent attribute {value!r} is not a file name")
+    if Path(value).is_absolute():
+        raise ArchiveParentError(
+            f"{child}: parent {value!r} is an absolute path; a fork names its parent relative "
+            "to its own folder"
+        )
+    if len(seen) > MAX_PARENTS:
+        raise ArchiveParentError(
+            f"{child}: parent {value!r} would make a chain of more than {MAX_PARENTS} forks"
+        )
+    root = Path(root).resolve()
+    target = (child.parent / value).resolve()
+    if not target.is_relative_to(root):
+        raise ArchiveParentError(
+            f"{child}: parent {value!r} resolves to {str(target)!r}, outside {str(root)!r}; "
+            "pass root= naming a folder that holds the whole chain"
+        )
+    if file_key(target) in seen:
+        raise ArchiveParentError(f"{child}: parent {value!r} is already in the chain (a cycle)")
+    seen.append(file_key(target))
+    return target
+
+
+def file_key(path) -> tuple:
+    """What makes two names one file: device and inode where it exists (hard links included),
+    else the resolved path."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return (str(Path(path).resolve()),)
+    return (st.st_dev, st.st_ino)

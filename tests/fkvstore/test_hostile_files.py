@@ -38,8 +38,23 @@ def archive(tmp_path):
 
 @contextmanager
 def _edit(path):
+    """The file open in h5py for a crafted change; afterwards the attribute CRC-32s of every
+    group are made to match again, as a hostile writer would (they catch accidents only)."""
     with h5py.File(path, "r+", locking=False) as f:
         yield f
+        groups = [f] + [f[n] for n in _group_names(f)]
+        for g in groups:
+            if fkvstore.layout.CONFIG_CRC_ATTR in g.attrs:
+                fkvstore.layout.seal_attrs(g)
+
+
+def _group_names(f):
+    """Group names of ``f`` reached through hard links only (never an external file)."""
+    names = []
+    f.visititems_links(lambda name, link: names.append(name)
+                  if isinstance(link, h5py.HardLink) and isinstance(f.get(name), h5py.Group)
+                  else None)
+    return names
 
 
 def _open_stream(path, name="s"):
@@ -175,6 +190,20 @@ def test_hostile_persisted_trees_are_rebuilt_not_followed(tmp_path, case, trust)
     done = _search_in_child(path, trust)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "True"
+
+
+def test_a_forged_walk_hides_no_match_unless_trusted(tmp_path):
+    # points moved away from every query's ball: a trusting search would find nothing
+    path = tmp_path / "index.h5"
+    _persisted_book(path)
+    _rewrite_aux(path, "walk", lambda walk: walk + 7.0)
+    with fkvstore.open(path) as ar:
+        assert ar["book"].search("time").tolist() == _expected(b"time")
+        assert not any(ar.verify().values())  # the CRC-32 matches: only a key could tell
+    with fkvstore.open(path) as ar:
+        s = ar["book"]
+        s.trust_index = True  # the caller vouches for the file: its walk is used as stored
+        assert s.search("time").tolist() != _expected(b"time")
 
 
 def test_stored_trees_are_rebuilt_unless_trusted(tmp_path, monkeypatch):
@@ -361,3 +390,112 @@ def test_a_flipped_metadata_bit_fails_fast_for_a_reader(archive):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert "refused:" in done.stdout and "checksum" in done.stdout, done.stderr[-2000:]
+
+
+# -- 5. one object under two names ---------------------------------------------------------
+ALIASES = {  # (object, second name, how each name is read, the names verify reports)
+    "stream group": ("streams/s", "streams/s2", {"s": "stream", "s2": "stream"}),
+    "points of another stream": ("streams/s/points", "streams/t/points",
+                                 {"s": "stream", "t": "stream"}),
+    "array": ("arrays/a", "arrays/b", {"a": "array", "b": "array"}),
+}
+
+
+def _read(ar, name, kind):
+    return ar.get_array(name) if kind == "array" else ar[name][:1]
+
+
+@pytest.mark.parametrize("case", ALIASES)
+def test_hard_link_aliases_are_refused(archive, case):
+    # a writer appending through one name would silently overwrite the rows of the other
+    target, alias, names = ALIASES[case]
+    with _edit(archive) as f:
+        if alias in f:
+            del f[alias]
+        f[alias] = f[target]  # a second hard link to the same object
+    for mode in ("r", "a"):
+        with fkvstore.open(archive, mode) as ar:
+            for name, kind in names.items():
+                with pytest.raises(ArchiveLinkError, match="under 2 names"):
+                    _read(ar, name, kind)
+            report = ar.verify()
+        for name, kind in names.items():
+            key = f"arrays/{name}" if kind == "array" else name
+            assert any("under 2 names" in p for p in report[key]), report
+
+
+# -- 6. sizes chosen to exhaust memory or disk --------------------------------------------------
+def _bomb(g, name):
+    """A gzip array of 2**31 zero bytes (a few MB in the file) with the CRC of its content."""
+    ds = g.create_dataset(name, shape=(1 << 31,), dtype="u1", chunks=(1 << 22,),
+                          compression="gzip", fillvalue=0)
+    ds.id.write_direct_chunk((0,), zlib.compress(bytes(1 << 22)))  # one chunk, for realism
+    ds.attrs["fkv_crc32"] = np.uint32(0)
+
+
+def _oversized(g, name):
+    """An unfiltered array declaring 2**40 bytes, none of them stored (reads return zeros)."""
+    g.create_dataset(name, shape=(1 << 37,), dtype="<i8", chunks=(1 << 16,))
+    g[name].attrs["fkv_crc32"] = np.uint32(0)
+
+
+@pytest.mark.parametrize("make, message", [(_bomb, "filter"), (_oversized, "more than the")])
+def test_arrays_that_would_expand_beyond_the_file_are_refused_before_reading(
+        archive, make, message):
+    with _edit(archive) as f:
+        make(f["arrays"], "x")
+    with fkvstore.open(archive) as ar:
+        assert ar.array_info("x")[1][0] > 1 << 30  # the declared shape is still reported
+        with pytest.raises(ArchiveFormatError, match=message):
+            ar.get_array("x")
+        report = ar.verify()
+    assert message in report["arrays/x"][0] and not report["arrays/a"]
+
+
+def test_a_commit_claiming_more_chunks_than_the_file_holds_is_refused(archive):
+    spans = 1 << 30  # 16 GiB of points, and a 256 MiB list of chunk checksums
+    with _edit(archive) as f:
+        g = f["streams/s"]
+        g["points"].resize((spans, 3, 2))
+        g["block_crc"].resize((spans // g.attrs["fkv_block_spans"],))
+        span = json.loads(g.attrs["fkv_codec"])["span"]
+        _set_commit(g, length=spans * span, full_spans=spans, tail_count=0)
+    with pytest.raises(ArchiveFormatError, match="more than the .* bytes of the whole file"):
+        _open_stream(archive)
+
+
+def _record_end(path, end):
+    """Rewrite the superblock's end-of-file address as ``end`` (a valid checksum kept)."""
+    from fkvstore._superblock import lookup3, read_superblock
+
+    sb = read_superblock(path)
+    raw = bytearray(path.read_bytes())
+    o = raw[9]
+    raw[12 + 2 * o : 12 + 3 * o] = (end - sb.base_address).to_bytes(o, "little")
+    raw[sb.size - 4 : sb.size] = lookup3(bytes(raw[: sb.size - 4])).to_bytes(4, "little")
+    path.write_bytes(raw)
+
+
+def test_a_superblock_claiming_a_huge_end_of_file_is_not_grown_to_it(archive):
+    size = archive.stat().st_size
+    _record_end(archive, 1 << 40)
+    with pytest.raises(ArchiveFormatError, match=r"records an end of file at 1099511627776"):
+        fkvstore.open(archive, "a")
+    assert archive.stat().st_size == size  # not extended, not written
+    with fkvstore.open(archive) as ar:  # a reader still sees what there is
+        assert np.array_equal(ar["s"][:], ROWS)
+
+
+def test_verify_lists_every_linked_aux_array(tmp_path, outside):
+    path = tmp_path / "index.h5"
+    _persisted_book(path)
+    with _edit(path) as f:
+        aux = f["streams/book/aux"]
+        for name in ("search_0_walk", "search_0_boxes"):
+            del aux[name]
+            aux[name] = h5py.ExternalLink(str(outside[1]), "arrays/x")
+    with fkvstore.open(path) as ar:
+        problems = ar.verify()["book"]
+    assert [p for p in problems if "ExternalLink" in p] == [
+        p for p in problems if "search_0_boxes" in p or "search_0_walk" in p]
+    assert len(problems) == 2

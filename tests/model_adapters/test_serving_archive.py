@@ -4,40 +4,11 @@ from __future__ import annotations
 
 import pytest
 from adapters_fixtures import TINY_MODELS, torch
-from serving_fixtures import (
-    random_quantizer,
-)
+from serving_fixtures import IDS, WINDOW, feed, random_quantizer, written
 
 from model_adapters.caches.codes_only import CodesOnlyCache, use_codes_attention
 from model_adapters.models import cache_kwarg, model_identity
 from model_adapters.store import serving_archive
-
-WINDOW = dict(sinks=2, recent=5, rewind=3)
-IDS = torch.randint(2, 100, (1, 40), generator=torch.Generator().manual_seed(11))
-
-
-def feed(model, target, ids, prefill=10):
-    """Prefill, then one token at a time; ``target`` is a ServingArchive or a bare cache."""
-    out = []
-    for t in [0, *range(prefill, ids.shape[1])]:
-        chunk = ids[:, t : (prefill if t == 0 else t + 1)]
-        if isinstance(target, CodesOnlyCache):
-            with torch.no_grad():
-                out.append(model(chunk, **{cache_kwarg(model): target}).logits)
-        else:
-            out.append(target.forward(model, chunk).logits)
-    return torch.cat(out, 1)
-
-
-def written(tmp_path, arch, n):
-    """A tiny model, its codebooks and an archive of ``IDS[:, :n]`` (closed, checkpointed)."""
-    model = use_codes_attention(TINY_MODELS[arch]())
-    q = random_quantizer(model)
-    path = tmp_path / f"{arch}-{n}.fkv"
-    with serving_archive.create(path, model, q, **WINDOW) as sa:
-        feed(model, sa, IDS[:, :n])
-        assert sa.cache.archived_tokens == len(sa.codes) == n - 7
-    return model, q, path
 
 
 def state(ar_path):

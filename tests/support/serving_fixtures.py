@@ -10,6 +10,7 @@ from model_adapters.caches.archiving import ArchivingCache
 from model_adapters.caches.codes_only import CodesOnlyCache, use_codes_attention
 from model_adapters.models import cache_kwarg
 from model_adapters.quant.quantizer import KVQuantizer
+from model_adapters.store import serving_archive
 
 
 @pytest.fixture(autouse=True)
@@ -62,3 +63,32 @@ def dense_attention(query, keys, values, mask, scale):
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, -1) @ v
+
+
+# -- serving archives ---------------------------------------------------------------------
+WINDOW = dict(sinks=2, recent=5, rewind=3)
+IDS = torch.randint(2, 100, (1, 40), generator=torch.Generator().manual_seed(11))
+
+
+def feed(model, target, ids, prefill=10):
+    """Prefill, then one token at a time; ``target`` is a ServingArchive or a bare cache."""
+    out = []
+    for t in [0, *range(prefill, ids.shape[1])]:
+        chunk = ids[:, t : (prefill if t == 0 else t + 1)]
+        if isinstance(target, CodesOnlyCache):
+            with torch.no_grad():
+                out.append(model(chunk, **{cache_kwarg(model): target}).logits)
+        else:
+            out.append(target.forward(model, chunk).logits)
+    return torch.cat(out, 1)
+
+
+def written(tmp_path, arch, n):
+    """A tiny model, its codebooks and an archive of ``IDS[:, :n]`` (closed, checkpointed)."""
+    model = use_codes_attention(TINY_MODELS[arch]())
+    q = random_quantizer(model)
+    path = tmp_path / f"{arch}-{n}.fkv"
+    with serving_archive.create(path, model, q, **WINDOW) as sa:
+        feed(model, sa, IDS[:, :n])
+        assert sa.cache.archived_tokens == len(sa.codes) == n - 7
+    return model, q, path
