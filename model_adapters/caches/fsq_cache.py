@@ -143,6 +143,7 @@ class FSQCache(Cache):
         super().__init__(layers=[FsqLayer() for _ in range(n_layers)])
         self.fsq = FSQ(levels)
         self.backend = backend
+        self.kernel_calls = 0  # decode steps (per layer) sent to kernels.fsq_decode_attention
 
     @property
     def packed_bytes(self) -> int:
@@ -181,6 +182,7 @@ class FSQCache(Cache):
         step = query.shape[2] == 1
         if step and self.backend != "torch" and query.dtype in (torch.float16, torch.bfloat16) \
                 and (query.is_cuda or self.backend == "triton") and _all_visible(attention_mask):
+            self.kernel_calls += 1
             out = fsq_decode_attention(
                 query[:, :, 0], packed, self.fsq.levels, folded[0], folded[2],
                 key_bias=folded[1], value_bias=folded[3], rope=module.fsq_rope_theta,

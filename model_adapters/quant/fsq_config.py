@@ -9,7 +9,8 @@ imports only transformers' configuration classes (no torch): it is what registra
 
 from __future__ import annotations
 
-from transformers import GPT2Config, Qwen3Config
+from transformers.models.gpt2.configuration_gpt2 import GPT2Config
+from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
 __all__ = ["FSQ_MODEL_TYPES", "FsqGPT2Config", "FsqQwen3Config", "fsq_spec"]
 

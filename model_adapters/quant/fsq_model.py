@@ -18,7 +18,6 @@ converted model loads with ``AutoModelForCausalLM.from_pretrained(dir)``, no rem
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from transformers import GPT2LMHeadModel, Qwen3ForCausalLM
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
@@ -219,12 +218,5 @@ def register_auto_classes() -> None:
 
     for config_class, model_class in ((FsqQwen3Config, FsqQwen3ForCausalLM),
                                       (FsqGPT2Config, FsqGPT2LMHeadModel)):
-        try:
-            AutoConfig.register(config_class.model_type, config_class)
-        except ValueError:  # registered already (by the configuration-only hook)
-            pass
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
         AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
-
-
-def _dtype_of(model) -> torch.dtype:
-    return next(model.parameters()).dtype
