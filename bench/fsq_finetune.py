@@ -78,19 +78,21 @@ def cache_check(model, val, keys, encode, args) -> dict:
             "cache_bytes": cache.nbytes(), "bytes_per_token_per_layer": cache.packed_bytes,
             "kernel_calls": cache.kernel_calls}
     m = model.to(torch.bfloat16)
-    rng, hits, same = random.Random(321), 0, 0
+    rng, hits, same, dense_hits = random.Random(321), 0, 0, 0
     for _ in range(args.generate_items):
         ids, mask = needle_item(args.lengths[-1], val, keys, encode, rng)
         answer_len = sum(mask)
         prompt = torch.tensor([ids[:-answer_len]], device=args.device)
-        gen = m.generate(prompt, max_new_tokens=answer_len, do_sample=False,
-                         **{kw: FSQCache(m)}, pad_token_id=0)[0, prompt.shape[1]:].tolist()
-        ref = m.generate(prompt, max_new_tokens=answer_len, do_sample=False,
-                         pad_token_id=0)[0, prompt.shape[1]:].tolist()
+        plain = dict(max_new_tokens=answer_len, do_sample=False, pad_token_id=0,
+                     attention_mask=torch.ones_like(prompt))  # no token is padding
+        gen = m.generate(prompt, **plain, **{kw: FSQCache(m)})[0, prompt.shape[1]:].tolist()
+        ref = m.generate(prompt, **plain)[0, prompt.shape[1]:].tolist()
+        dense_hits += int(ref == ids[-answer_len:])
         hits += int(gen == ids[-answer_len:])
         same += int(gen == ref)
     out["generate"] = {"length": args.lengths[-1], "items": args.generate_items,
                        "fsqcache_correct": hits / args.generate_items,
+                       "dynamic_cache_correct": dense_hits / args.generate_items,
                        "same_as_dynamic_cache": same / args.generate_items}
     model.to(torch.float32)
     return out

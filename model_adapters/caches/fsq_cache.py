@@ -18,7 +18,9 @@ rows (chunk invariant). No exact sink/recent window: in a converted model the de
 the model's keys and values (the base model's projections are gone), so there is nothing more
 exact to keep.
 
-Positions: a cached token's RoPE position is its index in the cache (no left padding).
+Positions: the model's ``position_ids`` of each token are kept once for the whole cache (8
+bytes per token, in the first layer), so left-padded batches rotate keys where the model's own
+forward does.
 """
 
 from __future__ import annotations
@@ -40,19 +42,30 @@ _BACKENDS = ("auto", "torch", "triton")
 
 class FsqLayer(DynamicLayer):
     """One layer's packed codes, kept as ``keys`` ``(batch, 1, seq, packed_bytes)`` uint8 so that
-    transformers' batch and beam operations (select, repeat, reorder) apply unchanged;
-    ``values`` is an empty ``(batch, 1, seq, 0)`` placeholder."""
+    transformers' batch and beam operations (select, repeat, reorder, crop) apply unchanged.
+    ``values`` holds the tokens' RoPE positions ``(batch, 1, seq, 1)`` int64 in the layer that
+    keeps them (the first; 8 bytes per token for the whole cache), else an empty ``(batch, 1,
+    seq, 0)`` placeholder."""
+
+    def __init__(self, keeps_positions: bool = False):
+        super().__init__()
+        self.keeps_positions = keeps_positions
 
     def update(self, key_states, value_states, *args, **kwargs):
         raise TypeError("FSQCache holds FSQ codes and serves FSQ-converted models only (this "
                         "model handed it dense keys and values)")
 
-    def append(self, packed: torch.Tensor) -> torch.Tensor:
-        """Append ``(batch, n, packed_bytes)`` uint8; returns every row, ``(batch, seq,
-        packed_bytes)``."""
+    def append(self, packed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Append ``(batch, n, packed_bytes)`` uint8 codes at ``(batch, n)`` int64 positions;
+        returns every row, ``(batch, seq, packed_bytes)``."""
         rows = packed[:, None]
-        DynamicLayer.update(self, rows, rows[..., :0])
+        extra = positions[:, None, :, None] if self.keeps_positions else rows[..., :0]
+        DynamicLayer.update(self, rows, extra)
         return self.keys[:, 0]
+
+    def positions(self) -> torch.Tensor:
+        """``(batch, seq)`` int64 positions (the layer that keeps them)."""
+        return self.values[:, 0, :, 0]
 
     def codes(self) -> torch.Tensor | None:
         """``(batch, seq, packed_bytes)`` uint8, or None before the first token."""
@@ -73,7 +86,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def fsq_torch_attention(query: torch.Tensor, codes: torch.Tensor, folded, *, scale: float,
                         k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6,
-                        rope_theta: float | None = None,
+                        rope_theta: float | None = None, positions: torch.Tensor | None = None,
                         mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``n`` new queries over ``seq`` cached codes, in float32.
 
@@ -85,7 +98,8 @@ def fsq_torch_attention(query: torch.Tensor, codes: torch.Tensor, folded, *, sca
             head_dim, w)`` and biases ``(kv_heads, head_dim)`` reading integer codes
             (:meth:`~model_adapters.quant.fsq.FsqBottleneck.folded`).
         scale: softmax scale. k_norm / norm_eps: Qwen3's key RMSNorm weight ``(head_dim,)``.
-        rope_theta: RoPE base (positions are cache indices), or None.
+        rope_theta: RoPE base, or None.
+        positions: ``(batch, seq)`` RoPE positions of the cached tokens (None: their indices).
         mask: broadcastable to ``(batch, q_heads, n, seq)``, boolean (True attends) or additive;
             None means causal.
 
@@ -100,7 +114,10 @@ def fsq_torch_attention(query: torch.Tensor, codes: torch.Tensor, folded, *, sca
     if k_norm is not None:
         keys = keys * torch.rsqrt(keys.pow(2).mean(-1, keepdim=True) + norm_eps) * k_norm.float()
     if rope_theta is not None:
-        cos, sin = rope_cos_sin(rope_theta, torch.arange(seq, device=codes.device), dim)
+        if positions is None:
+            positions = torch.arange(seq, device=codes.device).expand(batch, seq)
+        cos, sin = rope_cos_sin(rope_theta, positions.reshape(-1), dim)
+        cos, sin = cos.view(batch, 1, seq, dim), sin.view(batch, 1, seq, dim)
         keys = keys * cos + _rotate_half(keys) * sin
     group = q_heads // kv_heads
     q = query.float().reshape(batch, kv_heads, group, n, dim)
@@ -112,7 +129,8 @@ def fsq_torch_attention(query: torch.Tensor, codes: torch.Tensor, folded, *, sca
         scores = scores.masked_fill(~mask[..., -seq:], float("-inf"))
     else:
         scores = scores + mask[..., -seq:].float()
-    weights = torch.softmax(scores, -1).reshape(batch, kv_heads, group, n, seq)
+    # a query that sees nothing (a pad row of a left-padded batch) gets zeros, not NaN
+    weights = torch.softmax(scores, -1).nan_to_num(0.0).reshape(batch, kv_heads, group, n, seq)
     pooled = torch.einsum("bhgnt,btw->bhgnw", weights, z)
     out = torch.einsum("bhgnw,hdw->bhgnd", pooled, wv) + bv[None, :, None, None]
     return out.reshape(batch, q_heads, n, dim).transpose(1, 2).to(query.dtype)
@@ -140,7 +158,7 @@ class FSQCache(Cache):
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
         width, levels, _ = fsq_spec(model.config)
         n_layers = len(attention_layers(model))
-        super().__init__(layers=[FsqLayer() for _ in range(n_layers)])
+        super().__init__(layers=[FsqLayer(keeps_positions=i == 0) for i in range(n_layers)])
         self.fsq = FSQ(levels)
         self.backend = backend
         self.kernel_calls = 0  # decode steps (per layer) sent to kernels.fsq_decode_attention
@@ -151,8 +169,8 @@ class FSQCache(Cache):
         return self.fsq.packed_bytes
 
     def nbytes(self) -> int:
-        """Bytes the cache holds (every layer's packed codes)."""
-        return sum(layer.keys.numel() for layer in self.layers
+        """Bytes the cache holds: every layer's packed codes, and the positions once."""
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers
                    if layer.is_initialized and layer.keys is not None)
 
     def layer_codes(self, layer_idx: int) -> torch.Tensor | None:
@@ -162,7 +180,8 @@ class FSQCache(Cache):
 
     @torch.no_grad()
     def fsq_attention(self, module, query: torch.Tensor, codes: torch.Tensor,
-                      attention_mask: torch.Tensor | None) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None,
+                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Called by a converted attention layer: append ``codes`` ``(batch, n, w)`` and attend.
 
         Args:
@@ -170,11 +189,20 @@ class FSQCache(Cache):
             query: ``(batch, q_heads, n, head_dim)``, normed and rotated.
             codes: ``(batch, n, w)`` integer codes of the new tokens.
             attention_mask: the model's mask for this layer.
+            position_ids: ``(batch or 1, n)`` RoPE positions of the new tokens (None: their
+                indices in the cache). Kept once for all layers: left-padded batches work.
 
         Returns:
             ``(batch, n, q_heads, head_dim)`` in the query's dtype.
         """
-        packed = self.layers[module.layer_idx].append(self.fsq.pack(codes))
+        layer = self.layers[module.layer_idx]
+        batch, n = codes.shape[:2]
+        if position_ids is None:
+            start = layer.get_seq_length()
+            position_ids = torch.arange(start, start + n, device=codes.device)
+        position_ids = position_ids.to(codes.device, torch.long).expand(batch, n)
+        packed = layer.append(self.fsq.pack(codes), position_ids)
+        positions = self.layers[0].positions()
         folded = module.fsq.folded()
         norm = module.fsq_k_norm
         k_norm = None if norm is None else norm.weight
@@ -186,8 +214,10 @@ class FSQCache(Cache):
             out = fsq_decode_attention(
                 query[:, :, 0], packed, self.fsq.levels, folded[0], folded[2],
                 key_bias=folded[1], value_bias=folded[3], rope=module.fsq_rope_theta,
+                positions=positions if module.fsq_rope_theta is not None else None,
                 k_norm=k_norm, norm_eps=eps, scale=module.scaling, backend=self.backend)
             return out[:, None]
         return fsq_torch_attention(query, self.fsq.unpack(packed), folded, scale=module.scaling,
                                    k_norm=k_norm, norm_eps=eps,
-                                   rope_theta=module.fsq_rope_theta, mask=attention_mask)
+                                   rope_theta=module.fsq_rope_theta, positions=positions,
+                                   mask=attention_mask)

@@ -138,8 +138,9 @@ class FSQ(nn.Module):
         return (torch.tanh(a.float()) + 1) * self.half(a.device)
 
     def codes(self, a: torch.Tensor) -> torch.Tensor:
-        """Integer codes ``(..., w)`` int64 in ``[0, L)`` of encoder outputs ``a`` ``(..., w)``."""
-        return torch.round(self.scaled(a)).long()
+        """Integer codes ``(..., w)`` int64 in ``[0, L)`` of encoder outputs ``a`` ``(..., w)``
+        (a NaN, e.g. from a padding row, codes as the centre)."""
+        return torch.round(self.scaled(a.nan_to_num(0.0))).long()
 
     def values(self, codes: torch.Tensor) -> torch.Tensor:
         """Centred values ``codes / m - 1`` in ``[-1, 1]``, float32 ``(..., w)``."""

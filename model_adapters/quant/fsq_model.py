@@ -84,7 +84,8 @@ def fsq_attend(module, query, hidden_states, attention_mask, cache, cos_sin, kwa
     batch, n = hidden_states.shape[:2]
     if cache is not None and hasattr(cache, "fsq_attention"):
         codes = module.fsq.codes(hidden_states)
-        out = cache.fsq_attention(module, query, codes, attention_mask)
+        out = cache.fsq_attention(module, query, codes, attention_mask,
+                                  position_ids=kwargs.get("position_ids"))
         return out.reshape(batch, n, -1)
     keys, values = module.fsq.decode(module.fsq.latent(hidden_states), query.dtype)
     keys = keys.view(batch, n, -1, module.head_dim)

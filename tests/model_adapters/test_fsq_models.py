@@ -94,8 +94,8 @@ def test_fsq_cache_logits_match_the_models_own_forward(spec):
         cache = FSQCache(model)
         got = _through_cache(model, cache, IDS, [10, 17, *range(18, 24)])
         assert torch.allclose(got, full, atol=1e-5, rtol=1e-4)
-        # only packed codes: batch x layers x tokens x packed bytes
-        assert cache.nbytes() == 2 * 2 * 24 * cache.packed_bytes
+        # packed codes (batch x layers x tokens x packed bytes) and the positions once
+        assert cache.nbytes() == 2 * 2 * 24 * cache.packed_bytes + 2 * 24 * 8
         assert torch.equal(cache.layer_codes(0), bottlenecks(model)[0].codes(
             model.get_input_embeddings()(IDS) * 0 + _layer0_input(model, IDS)))
 
@@ -158,6 +158,18 @@ def test_generate_with_fsq_cache_equals_dynamic_cache(converted):
     ref = model.generate(IDS[:1, :5], max_new_tokens=8, do_sample=False,
                          **{kw: DynamicCache(config=model.config)})
     assert out.shape == (1, 13) and torch.equal(out, ref)
+
+
+def test_left_padded_batch_generates_as_the_dense_cache(converted):
+    _, model = converted
+    kw = cache_kwarg(model)
+    ids = IDS[:, :9].clone()
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = 2, 0  # three pads on the left of the first prompt
+    args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2)
+    out = model.generate(ids, **args, **{kw: FSQCache(model)})
+    ref = model.generate(ids, **args, **{kw: DynamicCache(config=model.config)})
+    assert torch.equal(out, ref)
 
 
 def test_cache_crop_and_batch_operations():
