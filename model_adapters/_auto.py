@@ -8,8 +8,9 @@ class that imports the real one on first use) right after it finishes loading. T
 loads with any transformers model class, or with the auto model classes; a bare
 ``AutoConfig.from_pretrained`` before either needs ``register_auto_classes()`` first
 (:mod:`model_adapters.quant.fsq_model`). Registering after ``configuration_auto`` is not
-possible: configuration classes themselves import ``modeling_auto`` while it is still loading. So, after ``import model_adapters``,
-``AutoModelForCausalLM.from_pretrained(converted_dir)`` works offline, no remote code.
+possible: configuration classes themselves import ``modeling_auto`` while it is still loading.
+So, after ``import model_adapters``, ``AutoModelForCausalLM.from_pretrained(converted_dir)``
+works offline, no remote code.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def needle_item(length: int, source: torch.Tensor, keys: list[str], encode, rng:
     chosen = rng.sample(keys, needles)
     numbers = [str(rng.randrange(1_000_000, 9_999_999)) for _ in chosen]
     sentences = [encode(f" One of the special magic numbers for {k} is: {n}.")
-                 for k, n in zip(chosen, numbers)]
+                 for k, n in zip(chosen, numbers, strict=True)]
     asked = rng.sample(range(needles), needles) if ask_all else [rng.randrange(needles)]
     qa = [(encode(f"\nWhat is the special magic number for {chosen[q]} mentioned in the "
                   f"provided text? The special magic number for {chosen[q]} mentioned in the "
@@ -76,7 +76,7 @@ def needle_item(length: int, source: torch.Tensor, keys: list[str], encode, rng:
     text = source[start:start + hay].tolist()
     cuts = sorted(rng.randrange(0, hay) for _ in sentences)
     ids, prev = [], 0
-    for cut, sentence in zip(cuts, sentences):
+    for cut, sentence in zip(cuts, sentences, strict=True):
         ids += text[prev:cut] + sentence
         prev = cut
     ids += text[prev:]

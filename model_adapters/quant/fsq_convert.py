@@ -68,7 +68,8 @@ def _kv_weights(model, attn) -> tuple[torch.Tensor, ...]:
             out += [proj.weight.detach().float().cpu(), bias.detach().float().cpu()]
         return tuple(out)
     c = attn.embed_dim
-    weight, bias = attn.c_attn.weight.detach().float().cpu(), attn.c_attn.bias.detach().float().cpu()
+    weight = attn.c_attn.weight.detach().float().cpu()
+    bias = attn.c_attn.bias.detach().float().cpu()
     return (weight[:, c:2 * c].T, bias[c:2 * c], weight[:, 2 * c:].T, bias[2 * c:])
 
 
@@ -179,7 +180,7 @@ def convert_to_fsq(model, spec, calibration_ids: torch.Tensor | None = None, *,
                            f"{unexpected[:4]}")
     base_layers = _base_attention(model)
     if kind == "gpt2":
-        for base, new in zip(base_layers, attention_layers(converted)):
+        for base, new in zip(base_layers, attention_layers(converted), strict=True):
             c = base.embed_dim
             with torch.no_grad():
                 new.q_attn.weight.copy_(base.c_attn.weight[:, :c])
@@ -192,7 +193,8 @@ def convert_to_fsq(model, spec, calibration_ids: torch.Tensor | None = None, *,
             hidden = model.config.hidden_size
             inputs = [torch.randn(min(max_rows, 4 * hidden), hidden, generator=g)
                       for _ in base_layers]
-        for x, base, bottleneck in zip(inputs, base_layers, bottlenecks(converted)):
+        for x, base, bottleneck in zip(inputs, base_layers, bottlenecks(converted),
+                                             strict=True):
             _initialise(bottleneck, x, _kv_weights(model, base))
     return converted.to(param.device, param.dtype).eval()
 

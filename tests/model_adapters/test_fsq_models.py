@@ -256,7 +256,8 @@ def test_finetuning_trains_only_the_bottleneck(converted):
     for n, p in model.named_parameters():
         if n in frozen:
             assert torch.equal(p, frozen[n]), n
-    assert any(not torch.equal(a, b) for a, b in zip(start, bottleneck_parameters(model)))
+    after = bottleneck_parameters(model)
+    assert any(not torch.equal(a, b) for a, b in zip(start, after, strict=True))
     assert not any(p.requires_grad for p in model.parameters())
     with pytest.raises(ValueError, match="teacher"):
         finetune_fsq(model, batches(), steps=1, kl_weight=1.0)
