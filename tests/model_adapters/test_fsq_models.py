@@ -112,7 +112,7 @@ def _layer0_input(model, ids):
     return found[0]
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(cuts=st.lists(st.integers(1, 23), max_size=4, unique=True))
 def test_fsq_cache_is_chunk_invariant(cuts):
     model = _QWEN
