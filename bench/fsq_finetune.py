@@ -41,7 +41,11 @@ from model_adapters.experiments.needles import (  # noqa: E402
     training_batches,
 )
 from model_adapters.models import cache_kwarg  # noqa: E402
-from model_adapters.quant.fsq_convert import convert_to_fsq, save_bottleneck  # noqa: E402
+from model_adapters.quant.fsq_convert import (  # noqa: E402
+    convert_to_fsq,
+    load_bottleneck,
+    save_bottleneck,
+)
 from model_adapters.quant.fsq_train import finetune_fsq, steps_for_tau  # noqa: E402
 
 
@@ -78,22 +82,27 @@ def cache_check(model, val, keys, encode, args) -> dict:
             "cache_bytes": cache.nbytes(), "bytes_per_token_per_layer": cache.packed_bytes,
             "kernel_calls": cache.kernel_calls}
     m = model.to(torch.bfloat16)
-    rng, hits, same, dense_hits = random.Random(321), 0, 0, 0
+    backends = ("torch", "auto") if args.device == "cuda" else ("torch",)
+    hits, same = dict.fromkeys(backends, 0), dict.fromkeys(backends, 0)
+    rng, dense_hits = random.Random(321), 0
     for _ in range(args.generate_items):
         ids, mask = needle_item(args.lengths[-1], val, keys, encode, rng)
         answer_len = sum(mask)
         prompt = torch.tensor([ids[:-answer_len]], device=args.device)
         plain = dict(max_new_tokens=answer_len, do_sample=False, pad_token_id=0,
                      attention_mask=torch.ones_like(prompt))  # no token is padding
-        gen = m.generate(prompt, **plain, **{kw: FSQCache(m)})[0, prompt.shape[1]:].tolist()
         ref = m.generate(prompt, **plain)[0, prompt.shape[1]:].tolist()
         dense_hits += int(ref == ids[-answer_len:])
-        hits += int(gen == ids[-answer_len:])
-        same += int(gen == ref)
-    out["generate"] = {"length": args.lengths[-1], "items": args.generate_items,
-                       "fsqcache_correct": hits / args.generate_items,
-                       "dynamic_cache_correct": dense_hits / args.generate_items,
-                       "same_as_dynamic_cache": same / args.generate_items}
+        for backend in backends:
+            gen = m.generate(prompt, **plain, **{kw: FSQCache(m, backend=backend)})
+            gen = gen[0, prompt.shape[1]:].tolist()
+            hits[backend] += int(gen == ids[-answer_len:])
+            same[backend] += int(gen == ref)
+    n = args.generate_items
+    out["generate"] = {"length": args.lengths[-1], "items": n, "dtype": "bfloat16",
+                       "dynamic_cache_correct": dense_hits / n,
+                       **{f"fsqcache_{b}_correct": hits[b] / n for b in backends},
+                       **{f"fsqcache_{b}_same_as_dynamic_cache": same[b] / n for b in backends}}
     model.to(torch.float32)
     return out
 
@@ -117,6 +126,9 @@ def main(argv=None) -> int:
     p.add_argument("--check-steps", type=int, default=16)
     p.add_argument("--generate-items", type=int, default=10)
     p.add_argument("--save", default=None, help="directory for the trained bottlenecks")
+    p.add_argument("--check-only", default=None, metavar="BOTTLENECK",
+                   help="skip conversion and training: measure the saved bottleneck (a "
+                        "save_bottleneck directory) and run the cache check on it")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_out_option(p, "fsq-finetune")
     args = p.parse_args(argv)
@@ -152,6 +164,17 @@ def main(argv=None) -> int:
             (Path(args.save) / "fsq-finetune.json").write_text(json.dumps(result, indent=1))
         return name
 
+    if args.check_only:
+        model = load_bottleneck(args.check_only, base).to(args.device)
+        row = {"config": Path(args.check_only).name, **measure(model, val, held_keys, encode, args)}
+        result["rows"].append(row)
+        result["cache_check"] = {"config": row["config"],
+                                 **cache_check(model, val, held_keys, encode, args)}
+        print(json.dumps(row), json.dumps(result["cache_check"]), flush=True)
+        name = emit()
+        if not args.save:
+            print("wrote", write_json(name, result))
+        return 0
     row = {"config": "exact", **measure(base, val, held_keys, encode, args)}
     result["rows"].append(row)
     print(json.dumps(row), flush=True)
