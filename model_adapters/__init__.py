@@ -8,6 +8,16 @@ The public surface, in one import::
     quantizer.save_pretrained("codebooks/")
     quantizer = KVQuantizer.from_pretrained("codebooks/", model)
 
+FSQ-converted models (docs/fsq.md)::
+
+    from model_adapters import FSQCache, convert_to_fsq, finetune_fsq
+
+    fsq_model = convert_to_fsq(model, "fsq-w32-L16", calibration_ids)
+    fsq_model.generate(ids, cache=FSQCache(fsq_model))
+
+Importing the package also registers the converted models with transformers' auto classes
+(once transformers loads them; see ``model_adapters._auto``).
+
 Names load on first use (a module ``__getattr__``), so ``import model_adapters`` and
 ``python -m model_adapters.eval --help`` do not import torch or transformers.
 
