@@ -8,6 +8,16 @@ The public surface, in one import::
     quantizer.save_pretrained("codebooks/")
     quantizer = KVQuantizer.from_pretrained("codebooks/", model)
 
+FSQ-converted models (docs/fsq.md)::
+
+    from model_adapters import FSQCache, convert_to_fsq, finetune_fsq
+
+    fsq_model = convert_to_fsq(model, "fsq-w32-L16", calibration_ids)
+    fsq_model.generate(ids, cache=FSQCache(fsq_model))
+
+Importing the package also registers the converted models with transformers' auto classes
+(once transformers loads them; see ``model_adapters._auto``).
+
 Names load on first use (a module ``__getattr__``), so ``import model_adapters`` and
 ``python -m model_adapters.eval --help`` do not import torch or transformers.
 
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 
+from model_adapters._auto import install as _install_auto_classes
 from model_adapters._checks import require_models_extra
 
 _WHERE = {
@@ -41,11 +52,22 @@ _WHERE = {
     "expand_configs": "quant.configs",
     "parse_config": "quant.configs",
     "train_kv_quantizer": "quant.quantizer",
+    # quant: the FSQ bottleneck, converted models, finetuning
+    "FSQ": "quant.fsq",
+    "FsqBottleneck": "quant.fsq",
+    "FsqConfig": "quant.fsq",
+    "FsqGPT2LMHeadModel": "quant.fsq_model",
+    "FsqQwen3ForCausalLM": "quant.fsq_model",
+    "convert_to_fsq": "quant.fsq_convert",
+    "finetune_fsq": "quant.fsq_train",
+    "load_bottleneck": "quant.fsq_convert",
+    "save_bottleneck": "quant.fsq_convert",
     # caches: transformers caches and the codes attention
     "ArchivingCache": "caches.archiving",
     "CODES_ATTENTION": "caches.codes_attention",
     "CodeRows": "caches.code_rows",
     "CodesOnlyCache": "caches.codes_only",
+    "FSQCache": "caches.fsq_cache",
     "lookup_attention": "caches.codes_attention",
     "use_codes_attention": "caches.codes_attention",
     # store: archives on disk
@@ -54,6 +76,9 @@ _WHERE = {
 _MODULES = {"serving_archive": "store.serving_archive"}
 
 __all__ = sorted([*_WHERE, *_MODULES])
+
+
+_install_auto_classes()  # FSQ-converted models load through transformers' auto classes
 
 
 def __getattr__(name: str):
