@@ -6,14 +6,13 @@ exact residual of at most ``residual_length`` positions (KIVI-style). Backends: 
 (optimum-quanto, 2 or 4 bits), ``hqq`` (HQQ, 2 or 4 bits), ``fp8`` (transformers 5.24 on).
 
 optimum-quanto unpacks its 2/4-bit codes with a C++/CUDA extension that it compiles on first
-use (tens of seconds on a CPU, minutes on a GPU). :func:`torch_unpack` registers a plain torch
-unpacking for the CPU and CUDA instead, so nothing is compiled; the values are the same.
+use (tens of seconds on a CPU, minutes on a GPU). :func:`torch_unpack` gives it a plain torch
+unpacking instead, so nothing is compiled; the values are the same.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import warnings
 
 import torch
 
@@ -47,17 +46,19 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def torch_unpack() -> None:
-    """Make optimum-quanto unpack with torch ops on the CPU and CUDA (idempotent)."""
+    """Make optimum-quanto unpack with torch ops (idempotent): its compiled extensions (CPU,
+    CUDA) get a module holding only :func:`_unpack` in place of the build they would load."""
     if _UNPACK_REGISTERED:
         return
-    import optimum.quanto  # noqa: F401  (defines the quanto::unpack operator)
+    import types
 
-    lib = torch.library.Library("quanto", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-        for key in ("CPU", "CUDA"):
-            lib.impl("unpack", _unpack, key)
-    _UNPACK_REGISTERED.append(lib)  # the registration lives as long as the library object
+    import optimum.quanto  # noqa: F401  (registers the extensions)
+    from optimum.quanto.library.extensions import get_extension, is_extension_available
+
+    for name in ("quanto_cpp", "quanto_cuda"):
+        if is_extension_available(name):
+            get_extension(name)._lib = types.SimpleNamespace(unpack=_unpack)
+    _UNPACK_REGISTERED.append(True)
 
 
 def new_quantized_cache(backend: str, config, nbits: int | None, residual_length: int = 128):

@@ -59,8 +59,9 @@ class Press:
 
 def layer_budgets(press: Press, n: int, num_layers: int) -> list[int]:
     """Positions kept per layer for a prefill of ``n``: ``round(n * (1 - ratio))`` in every
-    layer, or for ``pyramidkv`` a linear ramp with that mean (first layer most), each at least
-    the window (when it fits) and at most ``n``."""
+    layer, or for ``pyramidkv`` a linear ramp with that mean (first layer most, ``beta`` times
+    the last layer's excess over the window), or the flat budget when the ramp would exceed
+    ``n``."""
     keep = max(1, round(n * (1.0 - press.ratio)))
     if press.kind != "pyramidkv" or num_layers == 1:
         return [min(n, keep)] * num_layers
@@ -68,6 +69,8 @@ def layer_budgets(press: Press, n: int, num_layers: int) -> list[int]:
     extra = keep - floor  # spread over layers: top = beta * bottom, mean = extra
     low = 2.0 * extra / (1.0 + press.beta)
     high = press.beta * low
+    if floor + high > n:  # the ramp does not fit: the same budget everywhere, as SnapKV
+        return [min(n, keep)] * num_layers
     budgets = []
     for i in range(num_layers):
         b = floor + high + (low - high) * i / (num_layers - 1)

@@ -16,7 +16,8 @@ def format_tables(result: dict) -> str:
     longest = lengths[-1]
     out = []
     if result.get("reproduction"):
-        out += ["| length | teacher-forced | model card | greedy, exact cache |", "|---|---|---|---|"]
+        out += ["| length | teacher-forced | model card | greedy, exact cache |",
+                "|---|---|---|---|"]
         for n, r in result["reproduction"].items():
             out.append(f"| {n} | {r['teacher_forced']:.2f} | {r['model_card']:.2f} | "
                        f"{r['greedy_exact']:.2f} |")
@@ -26,6 +27,9 @@ def format_tables(result: dict) -> str:
         out += [f"**{task}** (accuracy %, 95% bootstrap interval; bytes at {longest})", "",
                 head, "|---" * (3 + len(lengths)) + "|"]
         for m in result["methods"]:
+            if "error" in m:
+                out.append(f"| {m['method']} | failed: {m['error'][:80]} |")
+                continue
             cells = []
             for n in lengths:
                 r = m["tasks"][task][n]
@@ -39,7 +43,7 @@ def format_tables(result: dict) -> str:
     if "depth" in result["tasks"]:
         depths = None
         rows = []
-        for m in result["methods"]:
+        for m in [m for m in result["methods"] if "error" not in m]:
             by = m["tasks"]["depth"][longest].get("by_depth") or {}
             depths = depths or list(by)
             rows.append(f"| {m['method']} | " + " | ".join(_pct(by[d]) for d in depths) + " |")
@@ -63,7 +67,7 @@ def plot(results: list[dict], path, task: str = "single") -> None:
         longest = str(res["lengths"][-1])
         families: dict[str, list] = {}
         for m in res["methods"]:
-            comp = m["compression"].get(longest)
+            comp = m["compression"].get(longest) if "error" not in m else None
             if comp is None:
                 continue
             accs = [m["tasks"][t][longest]["accuracy"] for t in res["tasks"]]

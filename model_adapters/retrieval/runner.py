@@ -70,6 +70,7 @@ def run_items(model, tokenizer, methods, val, words, lengths, tasks, count, shar
     outcomes = {m.name: {t: {str(n): {} for n in lengths} for t in tasks} for m in methods}
     stored = {m.name: {t: {} for t in tasks} for m in methods}
     depths = {t: {str(n): {} for n in lengths} for t in tasks}
+    errors: dict[str, str] = {}
     t0 = time.perf_counter()
     done = 0
     for i in range(shard[0], count, shard[1]):
@@ -81,18 +82,25 @@ def run_items(model, tokenizer, methods, val, words, lengths, tasks, count, shar
                 item = items[(t, n)][i]
                 depths[t][str(n)][str(i)] = item.depth
                 for m in methods:
-                    text, b = greedy_answer(model, m, item, tokenizer, measure=(i == 0))
+                    if m.name in errors:
+                        continue
+                    try:
+                        text, b = greedy_answer(model, m, item, tokenizer, measure=(i == 0))
+                    except Exception as exc:  # one failing peer must not sink the whole grid
+                        errors[m.name] = f"{type(exc).__name__}: {exc}"
+                        log(f"method {m.name} failed, dropped: {errors[m.name]}")
+                        continue
                     outcomes[m.name][t][str(n)][str(i)] = int(answer_correct(text, item.answers))
                     if b is not None:
                         stored[m.name][t][str(n)] = {"bytes": b, "tokens": len(item.context)}
         done += 1
         log(f"item index {i} done ({time.perf_counter() - t0:.0f} s)")
-    return {"outcomes": outcomes, "bytes": stored, "depths": depths}
+    return {"outcomes": outcomes, "bytes": stored, "depths": depths, "errors": errors}
 
 
 def merge_parts(parts: list[dict]) -> dict:
     """One raw result from several workers' parts (disjoint item indices)."""
-    out = {"outcomes": {}, "bytes": {}, "depths": {}}
+    out = {"outcomes": {}, "bytes": {}, "depths": {}, "errors": {}}
     for part in parts:
         for key in out:
             _deep_update(out[key], part[key])
@@ -115,8 +123,11 @@ def summarise(raw: dict, methods, shape, lengths, tasks) -> list[dict]:
     from model_adapters.retrieval.scoring import bootstrap_ci
 
     fp16 = shape.fp16_bytes_per_token / shape.num_layers
+    errors = raw.get("errors", {})
     common = None
     for m in methods:
+        if m.name in errors:
+            continue
         for t in tasks:
             for n in lengths:
                 ids = set(raw["outcomes"][m.name][t][str(n)])
@@ -126,6 +137,9 @@ def summarise(raw: dict, methods, shape, lengths, tasks) -> list[dict]:
     for m in methods:
         row = {"method": m.name, "family": m.family, **m.info, "tasks": {},
                "bytes_per_token_layer": {}, "compression": {}}
+        if m.name in errors:
+            rows.append({**row, "error": errors[m.name]})
+            continue
         for n in lengths:
             measured = [raw["bytes"][m.name][t].get(str(n)) for t in tasks]
             measured = [x for x in measured if x]

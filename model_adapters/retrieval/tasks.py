@@ -1,4 +1,4 @@
-"""Needle-in-a-haystack items built from held-out books, in the format the 8K stand-in was trained on.
+"""Needle-in-a-haystack items from held-out books, in the format the 8K stand-in was trained on.
 
 Every item is deterministic given its random generator. The single-needle and multi-key items
 follow the long-context training script's generator call for call (keys sampled, 7-digit numbers
