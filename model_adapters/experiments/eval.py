@@ -260,8 +260,12 @@ def train_codebook_sets(
             kind = "pooled" if pooled else "perhead"
             path = Path(codebook_dir) / f"{kind}-k{k}-K{ks}V{vs}-{key}.npz"
             paths[(pooled, k)] = path
-            if path.is_file():
-                with np.load(path) as f:
+            # the family fitted with at least as many stages serves too (stages are a prefix)
+            found = [path] if path.is_file() else [
+                p for p in sorted(Path(codebook_dir).glob(f"{kind}-k{k}-K*V*-{key}.npz"))
+                if _stages_cover(p.name, ks, vs)]
+            if found:
+                with np.load(found[0]) as f:
                     sets[(pooled, k)] = KVQuantizer.from_arrays(shape, dict(f), pooled=pooled)
     missing = {pk: st for pk, st in need.items() if pk not in sets}
     if not missing:
@@ -298,6 +302,14 @@ def train_codebook_sets(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return sets, collect_s, time.perf_counter() - t0
+
+
+def _stages_cover(name: str, ks: int, vs: int) -> bool:
+    """Whether a cached family file ``{kind}-k{K}-K{a}V{b}-{key}.npz`` has a >= ks, b >= vs."""
+    import re
+
+    m = re.search(r"-K(\d+)V(\d+)-[0-9a-f]+\.npz$", name)
+    return m is not None and int(m.group(1)) >= ks and int(m.group(2)) >= vs
 
 
 def _codebooks_from_archive(path, config, configs):

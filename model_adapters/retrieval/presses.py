@@ -14,7 +14,7 @@ Scorers (higher = kept), each on one layer's exact keys ``(batch, kv_heads, n, h
   window and the query heads of the group, smoothed by a width-``kernel`` average pool; the
   window itself is always kept (SnapKV).
 - ``pyramidkv``: SnapKV's scores with a budget falling linearly from the first layer to the last
-  (same mean budget as the other presses; PyramidKV's ``beta``).
+  (same mean budget as the other presses; PyramidKV's ``beta``, kvpress's budget rule).
 """
 
 from __future__ import annotations
@@ -58,24 +58,24 @@ class Press:
 
 
 def layer_budgets(press: Press, n: int, num_layers: int) -> list[int]:
-    """Positions kept per layer for a prefill of ``n``: ``round(n * (1 - ratio))`` in every
-    layer, or for ``pyramidkv`` a linear ramp with that mean (first layer most, ``beta`` times
-    the last layer's excess over the window), or the flat budget when the ramp would exceed
-    ``n``."""
-    keep = max(1, round(n * (1.0 - press.ratio)))
-    if press.kind != "pyramidkv" or num_layers == 1:
+    """Positions kept per layer for a prefill of ``n``: ``int(n * (1 - ratio))`` (truncated, as
+    kvpress does) in every layer; for ``pyramidkv`` PyramidKV's linear ramp with the same mean:
+    ``m = n * (1 - ratio)``, the last layer keeps ``m / beta``, the first ``2m - m / beta``
+    (capped at ``n - window``, the last then raised to keep the mean), falling back to the flat
+    ``round(n * (1 - ratio))`` when the ramp leaves ``[window, n]``."""
+    keep = max(1, int(n * (1.0 - press.ratio)))
+    if press.kind != "pyramidkv":
         return [min(n, keep)] * num_layers
-    floor = min(press.window, keep)
-    extra = keep - floor  # spread over layers: top = beta * bottom, mean = extra
-    low = 2.0 * extra / (1.0 + press.beta)
-    high = press.beta * low
-    if floor + high > n:  # the ramp does not fit: the same budget everywhere, as SnapKV
-        return [min(n, keep)] * num_layers
-    budgets = []
-    for i in range(num_layers):
-        b = floor + high + (low - high) * i / (num_layers - 1)
-        budgets.append(int(min(n, max(1, round(b)))))
-    return budgets
+    mean = n * (1.0 - press.ratio)
+    low = mean / press.beta
+    high = 2 * mean - low
+    if high >= n - press.window:
+        high = n - press.window
+        low = 2 * mean - high
+    if not n >= high >= low >= press.window:
+        return [max(1, round(n * (1.0 - press.ratio)))] * num_layers
+    step = (high - low) / (num_layers - 1) if num_layers > 1 else 0.0
+    return [round(high - i * step) for i in range(num_layers)]
 
 
 def _snapkv_scores(module, hidden, cos, sin, keys, press: Press) -> torch.Tensor:
@@ -102,8 +102,7 @@ def _snapkv_scores(module, hidden, cos, sin, keys, press: Press) -> torch.Tensor
     attn = logits.softmax(-1)[..., : n - w].mean(-2)  # (b, heads, n - w)
     if n - w > 0 and press.kernel > 1:
         attn = torch.nn.functional.avg_pool1d(
-            attn.reshape(-1, 1, n - w), press.kernel, stride=1, padding=press.kernel // 2,
-            count_include_pad=False,
+            attn.reshape(-1, 1, n - w), press.kernel, stride=1, padding=press.kernel // 2
         ).reshape(b, -1, n - w)
     attn = attn.view(b, kv, groups, n - w).mean(2)
     top = attn.amax() + 1.0 if attn.numel() else torch.tensor(1.0, device=keys.device)

@@ -72,29 +72,39 @@ def run_items(model, tokenizer, methods, val, words, lengths, tasks, count, shar
     depths = {t: {str(n): {} for n in lengths} for t in tasks}
     errors: dict[str, str] = {}
     t0 = time.perf_counter()
+
+    def over() -> bool:
+        return max_seconds is not None and time.perf_counter() - t0 > max_seconds
+
+    def score(i, n, t):
+        item = items[(t, n)][i]
+        depths[t][str(n)][str(i)] = item.depth
+        for m in methods:
+            if m.name in errors:
+                continue
+            try:
+                text, b = greedy_answer(model, m, item, tokenizer, measure=(i == 0))
+            except Exception as exc:  # one failing peer must not sink the whole grid
+                errors[m.name] = f"{type(exc).__name__}: {exc}"
+                log(f"method {m.name} failed, dropped: {errors[m.name]}")
+                continue
+            outcomes[m.name][t][str(n)][str(i)] = int(answer_correct(text, item.answers))
+            if b is not None:
+                stored[m.name][t][str(n)] = {"bytes": b, "tokens": len(item.context)}
+
     done = 0
     for i in range(shard[0], count, shard[1]):
-        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
-            log(f"time budget reached after {done} item indices")
-            break
-        for n in lengths:
-            for t in tasks:
-                item = items[(t, n)][i]
-                depths[t][str(n)][str(i)] = item.depth
-                for m in methods:
-                    if m.name in errors:
-                        continue
-                    try:
-                        text, b = greedy_answer(model, m, item, tokenizer, measure=(i == 0))
-                    except Exception as exc:  # one failing peer must not sink the whole grid
-                        errors[m.name] = f"{type(exc).__name__}: {exc}"
-                        log(f"method {m.name} failed, dropped: {errors[m.name]}")
-                        continue
-                    outcomes[m.name][t][str(n)][str(i)] = int(answer_correct(text, item.answers))
-                    if b is not None:
-                        stored[m.name][t][str(n)] = {"bytes": b, "tokens": len(item.context)}
-        done += 1
-        log(f"item index {i} done ({time.perf_counter() - t0:.0f} s)")
+        units = [(n, t) for n in lengths for t in tasks]
+        for n, t in units:
+            if over():  # an index left partial is left out of the summary
+                break
+            score(i, n, t)
+        else:
+            done += 1
+            log(f"item index {i} done ({time.perf_counter() - t0:.0f} s)")
+            continue
+        log(f"time budget reached after {done} complete item indices")
+        break
     return {"outcomes": outcomes, "bytes": stored, "depths": depths, "errors": errors}
 
 

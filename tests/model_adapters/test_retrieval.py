@@ -133,7 +133,7 @@ def test_pyramid_budgets_keep_the_same_mean(ratio):
     b = presses.layer_budgets(press, 1000, 12)
     flat = presses.layer_budgets(presses.Press("snapkv", ratio), 1000, 12)
     assert b == sorted(b, reverse=True) and abs(sum(b) / 12 - flat[0]) <= 1
-    assert len(set(flat)) == 1 and flat[0] == round(1000 * (1 - ratio))
+    assert len(set(flat)) == 1 and flat[0] == int(1000 * (1 - ratio))
 
 
 def test_streamingllm_keeps_sinks_and_recent():
@@ -236,3 +236,21 @@ def test_cli_rejects_missing_books(tiny_run, tmp_path, capsys):
     model_dir, _, _ = tiny_run
     assert cli.main(["--model", str(model_dir), "--books", str(tmp_path)]) == 2
     assert "lacks books-gpt2-train.u16.xz" in capsys.readouterr().err
+
+
+def test_cached_codebooks_with_more_stages_serve_fewer(tmp_path):
+    from model_adapters.experiments.eval import train_codebook_sets
+    from model_adapters.quant.configs import expand_configs
+
+    model = tiny_qwen3()
+    segments = [list(range(2, 100)), list(range(3, 101))]
+    kw = dict(codebook_dir=str(tmp_path), kmeans_iters=2, seed=0, kmeans_points=0, context=64,
+              progress=False)
+    deep, collect_s, _ = train_codebook_sets(expand_configs(["perhead-k8-s2"]), model, segments,
+                                             **kw)
+    assert collect_s is not None
+    again, collect_s, train_s = train_codebook_sets(expand_configs(["perhead-k8-s1"]), model,
+                                                    segments, **kw)
+    assert collect_s is None and train_s is None  # loaded, nothing fitted
+    a, b = again[(False, 8)].to_arrays(), deep[(False, 8)].to_arrays()
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
