@@ -56,6 +56,10 @@ class Method:
         prefill: ``(cache) -> context manager`` active during the haystack's forward.
         stored_bytes: ``(cache, tokens) -> int``: all bytes held for the ``tokens`` prefilled.
         info: extra fields for the JSON (bits, ratio, codebook bytes, ...).
+        from_exact: for a method that compresses only after its prefill, ``(exact cache,
+            captured) -> cache``: the cache its own prefill would leave, built from one shared
+            exact prefill (see :func:`model_adapters.retrieval.scoring.exact_prefill`); None
+            for a method whose prefill itself differs (the RVQ cache quantizes during it).
     """
 
     name: str
@@ -64,6 +68,7 @@ class Method:
     stored_bytes: Callable
     prefill: Callable = field(default=lambda cache: nullcontext())
     info: dict = field(default_factory=dict)
+    from_exact: Callable | None = None
 
 
 _REGISTRY: list[tuple[re.Pattern, str, Callable]] = []
@@ -100,10 +105,19 @@ def _dynamic_bytes(cache, tokens) -> int:
     return sum(2 * (layer.keys.numel() + layer.values.numel()) for layer in cache.layers)
 
 
+def _copy_into(cache, exact):
+    """Feed every layer of ``exact`` (left unchanged) to ``cache`` as one update: what the
+    prefill's forward would have handed it."""
+    for i, layer in enumerate(exact.layers):
+        cache.update(layer.keys.clone(), layer.values.clone(), i)
+    return cache
+
+
 def _exact(name, ctx):
     from transformers import DynamicCache
 
-    return Method(name, "exact", lambda measure: DynamicCache(), _dynamic_bytes)
+    return Method(name, "exact", lambda measure: DynamicCache(), _dynamic_bytes,
+                  from_exact=lambda exact, captured: _copy_into(DynamicCache(), exact))
 
 
 def _rvq(name, ctx):
@@ -162,6 +176,8 @@ def _quantized(name, ctx):
     return Method(
         name, backend, lambda measure: peers.new_quantized_cache(backend, config, nbits),
         lambda cache, tokens: peers.quantized_bytes(backend, cache),
+        from_exact=lambda exact, captured: _copy_into(
+            peers.new_quantized_cache(backend, config, nbits), exact),
         info={"nbits": nbits or 8, "q_group_size": 64 if nbits else None,
               "residual_length": 128 if nbits else 0},
     )
@@ -170,13 +186,14 @@ def _quantized(name, ctx):
 def _press(name, ctx):
     from transformers import DynamicCache
 
-    from model_adapters.retrieval.presses import Press, pressing
+    from model_adapters.retrieval.presses import Press, press_cache, pressing
 
     kind, _, ratio = name.rpartition("-")
     press = Press(kind, float(ratio))
     return Method(
         name, kind, lambda measure: DynamicCache(), _dynamic_bytes,
         prefill=lambda cache: pressing(ctx.model, press, cache),
+        from_exact=lambda exact, captured: press_cache(ctx.model, press, exact, captured),
         info={"ratio": press.ratio, "window": press.window if kind in ("snapkv", "pyramidkv")
               else None},
     )

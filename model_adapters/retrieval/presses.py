@@ -26,7 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PRESSES", "Press", "attention_modules", "layer_budgets", "prune_layer", "pressing"]
+__all__ = [
+    "PRESSES", "Press", "attention_modules", "layer_budgets", "press_cache", "prune_layer",
+    "pressing",
+]
 
 PRESSES = ("streamingllm", "knorm", "snapkv", "pyramidkv")
 
@@ -165,3 +168,23 @@ def pressing(model, press: Press, cache):
     finally:
         for h in handles:
             h.remove()
+
+
+def press_cache(model, press: Press, exact, captured) -> object:
+    """The cache :func:`pressing` leaves after a prefill, built from that prefill's exact cache
+    ``exact`` (left unchanged) and ``captured``: per layer ``(hidden, cos, sin)``, the attention
+    input and RoPE tables of the prefill's last positions (at least ``press.window``)."""
+    from transformers import DynamicCache
+
+    mods = attention_modules(model)
+    cache = DynamicCache()
+    n = exact.layers[0].keys.shape[-2]
+    for module in mods:
+        src = exact.layers[module.layer_idx]
+        cache.update(src.keys.clone(), src.values.clone(), module.layer_idx)
+        hidden, cos, sin = captured[module.layer_idx]
+        budget = layer_budgets(press, n, len(mods))[module.layer_idx]
+        with torch.no_grad():
+            score = scores(press, module, hidden, cos, sin, src.keys)
+            prune_layer(cache.layers[module.layer_idx], score, budget)
+    return cache

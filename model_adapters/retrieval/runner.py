@@ -57,12 +57,14 @@ def reproduce(model, tokenizer, val, words, lengths, count, log=print) -> dict:
 
 
 def run_items(model, tokenizer, methods, val, words, lengths, tasks, count, shard=(0, 1),
-              max_seconds=None, seed=0, log=print) -> dict:
+              max_seconds=None, seed=0, log=print, share: bool = True) -> dict:
     """Score item indices ``i`` with ``i % shard[1] == shard[0]`` (all lengths, tasks and
-    methods for one index before the next); stops starting new indices after ``max_seconds``.
+    methods for one index before the next); stops starting new work after ``max_seconds``.
+    With ``share``, one exact prefill per item serves every method that compresses only after
+    its prefill (``Method.from_exact``).
     Returns the raw part: ``{"outcomes": {method: {task: {length: {index: 0/1}}}}, "bytes":
     {method: {task: {length: bytes}}}, "depths": {task: {length: {index: depth}}}}``."""
-    from model_adapters.retrieval.scoring import answer_correct, greedy_answer
+    from model_adapters.retrieval.scoring import answer_correct, exact_prefill, greedy_answer
     from model_adapters.retrieval.tasks import task_items
 
     items = {(t, n): task_items(t, n, count, val, words, tokenizer, seed=seed)
@@ -79,11 +81,14 @@ def run_items(model, tokenizer, methods, val, words, lengths, tasks, count, shar
     def score(i, n, t):
         item = items[(t, n)][i]
         depths[t][str(n)][str(i)] = item.depth
+        shared = (exact_prefill(model, item.context) if share and
+                  sum(m.from_exact is not None for m in methods) > 1 else None)
         for m in methods:
             if m.name in errors:
                 continue
             try:
-                text, b = greedy_answer(model, m, item, tokenizer, measure=(i == 0))
+                text, b = greedy_answer(model, m, item, tokenizer, measure=(i == 0),
+                                        shared=shared)
             except Exception as exc:  # one failing peer must not sink the whole grid
                 errors[m.name] = f"{type(exc).__name__}: {exc}"
                 log(f"method {m.name} failed, dropped: {errors[m.name]}")

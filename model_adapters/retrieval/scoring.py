@@ -17,7 +17,7 @@ import re
 import numpy as np
 import torch
 
-__all__ = ["answer_correct", "bootstrap_ci", "greedy_answer", "teacher_forced"]
+__all__ = ["answer_correct", "bootstrap_ci", "exact_prefill", "greedy_answer", "teacher_forced"]
 
 _NUMBER = re.compile(r"\d+")
 
@@ -56,8 +56,47 @@ def _uneven(cache) -> bool:
 
 
 @torch.no_grad()
-def greedy_answer(model, method, item, tokenizer, measure: bool = False, max_new_tokens=None):
+def exact_prefill(model, context, keep: int = 256):
+    """One exact prefill of ``context`` (token ids) shared by every method that compresses
+    after its prefill. Returns ``(cache, captured)``: a ``DynamicCache`` and, per layer index,
+    ``(hidden, cos, sin)`` for the last ``keep`` positions (the attention input and RoPE
+    tables a press scores with)."""
+    from transformers import DynamicCache
+
+    from model_adapters.models import cache_kwarg
+    from model_adapters.retrieval.presses import attention_modules
+
+    device = next(model.parameters()).device
+    captured = {}
+
+    def hook(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        cos, sin = kwargs.get("position_embeddings", (None, None))
+        captured[module.layer_idx] = (
+            hidden[:, -keep:], None if cos is None else cos[:, -keep:],
+            None if sin is None else sin[:, -keep:])
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
+               for m in attention_modules(model)]
+    cache = DynamicCache()
+    try:
+        n = len(context)
+        _forward(model, torch.tensor([context], device=device),
+                 torch.arange(n, device=device)[None], cache, cache_kwarg(model))
+    finally:
+        for h in handles:
+            h.remove()
+    return cache, captured
+
+
+@torch.no_grad()
+def greedy_answer(model, method, item, tokenizer, measure: bool = False, max_new_tokens=None,
+                  shared=None):
     """Decode the answer to ``item`` through a fresh cache of ``method``.
+
+    ``shared``: :func:`exact_prefill` of ``item.context``; a method with ``from_exact`` then
+    builds its cache from it instead of running the prefill again (the same cache: such a
+    method's prefill is exact).
 
     Returns ``(text, stored_bytes)``: the decoded text (stops after the number ends), and when
     ``measure`` the bytes the cache holds after the prefill (else None).
@@ -66,11 +105,14 @@ def greedy_answer(model, method, item, tokenizer, measure: bool = False, max_new
 
     device = next(model.parameters()).device
     kw = cache_kwarg(model)
-    cache = method.new_cache(measure)
     n = len(item.context)
-    ctx = torch.tensor([item.context], device=device)
-    with method.prefill(cache):
-        _forward(model, ctx, torch.arange(n, device=device)[None], cache, kw)
+    if shared is not None and method.from_exact is not None:
+        cache = method.from_exact(*shared)
+    else:
+        cache = method.new_cache(measure)
+        ctx = torch.tensor([item.context], device=device)
+        with method.prefill(cache):
+            _forward(model, ctx, torch.arange(n, device=device)[None], cache, kw)
     stored = method.stored_bytes(cache, n) if measure else None
     q = torch.tensor([item.question], device=device)
     pos = torch.arange(n, n + q.shape[1], device=device)[None]

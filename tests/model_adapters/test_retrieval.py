@@ -254,3 +254,34 @@ def test_cached_codebooks_with_more_stages_serve_fewer(tmp_path):
     assert collect_s is None and train_s is None  # loaded, nothing fitted
     a, b = again[(False, 8)].to_arrays(), deep[(False, 8)].to_arrays()
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_shared_exact_prefill_builds_the_same_caches(tiny_run, tokenizer):
+    """Methods that compress after their prefill: the cache built from one shared exact prefill
+    equals the one their own prefill leaves, bit for bit."""
+    from model_adapters.models import cache_kwarg, kv_shape
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_run[0]).eval()
+    ctx = methods.MethodContext(model, kv_shape(model))
+    names = ["exact", "snapkv-0.75", "pyramidkv-0.5", "knorm-0.5", "streamingllm-0.6"]
+    names += [b for b in ("fp8",) if peers.backend_available(b)]
+    names += ["quanto-2"] if peers.backend_available("quanto") else []
+    source = np.random.default_rng(1).integers(0, 50000, 3000)
+    item = tasks.make_item("single", 250, source, ["alpha", "bravo"], tokenizer,
+                           random.Random(0))
+    shared = scoring.exact_prefill(model, item.context)
+    for name in names:
+        m = methods.resolve_method(name, ctx)
+        own = m.new_cache(False)
+        n = len(item.context)
+        with torch.no_grad(), m.prefill(own):
+            model(input_ids=torch.tensor([item.context]), position_ids=torch.arange(n)[None],
+                  use_cache=True, **{cache_kwarg(model): own})
+        built = m.from_exact(*shared)
+        assert m.stored_bytes(built, n) == m.stored_bytes(own, n), name
+        for a, b in zip(own.layers, built.layers, strict=True):
+            for attr in ("keys", "values"):
+                x, y = getattr(a, attr, None), getattr(b, attr, None)
+                assert (x is None and y is None) or torch.equal(x, y), (name, attr)
+        with_shared = scoring.greedy_answer(model, m, item, tokenizer, shared=shared)
+        assert with_shared == scoring.greedy_answer(model, m, item, tokenizer), name
