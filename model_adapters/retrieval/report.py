@@ -56,38 +56,50 @@ def format_tables(result: dict) -> str:
 
 def plot(results: list[dict], path, task: str = "single") -> None:
     """Accuracy at the longest length against achieved compression there, one line per
-    method family (log x axis), for ``task`` and for the mean over the run's tasks."""
+    method family (log x axis), for ``task`` and (when a run has several tasks) for the mean
+    over its tasks. Several runs at the same longest length share the lines; a method measured
+    in several runs is drawn from the run with the most items."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    best: dict[str, tuple] = {}
+    longest = str(results[0]["lengths"][-1])
     for res in results:
-        longest = str(res["lengths"][-1])
-        families: dict[str, list] = {}
+        if str(res["lengths"][-1]) != longest:
+            raise ValueError(f"runs end at different lengths: {longest} and {res['lengths'][-1]}")
         for m in res["methods"]:
             comp = m["compression"].get(longest) if "error" not in m else None
-            if comp is None:
+            if comp is None or task not in m["tasks"]:
                 continue
+            r = m["tasks"][task][longest]
             accs = [m["tasks"][t][longest]["accuracy"] for t in res["tasks"]]
             mean = sum(a for a in accs if a is not None) / len(accs)
-            single = m["tasks"].get(task, {}).get(longest, {}).get("accuracy")
-            families.setdefault(m["family"], []).append((comp, single, mean, m["method"]))
-        for fam, pts in sorted(families.items()):
-            pts.sort()
-            style = "-o" if fam.startswith("rvq") or fam == "exact" else "--s"
-            for ax, k in ((axes[0], 1), (axes[1], 2)):
-                ax.plot([p[0] for p in pts], [p[k] for p in pts], style, label=fam)
+            if m["method"] not in best or r["items"] > best[m["method"]][4]:
+                best[m["method"]] = (m["family"], comp, r["accuracy"], mean, r["items"])
+    families: dict[str, list] = {}
+    for fam, comp, single, mean, _ in best.values():
+        families.setdefault(fam, []).append((comp, single, mean))
+    several = any(len(res["tasks"]) > 1 for res in results)
+    fig, axes = plt.subplots(1, 2 if several else 1, figsize=(12 if several else 7, 4.8),
+                             sharey=True, squeeze=False)
+    axes = axes[0]
+    for fam, pts in sorted(families.items()):
+        pts.sort()
+        style = "-o" if fam.startswith("rvq") or fam == "exact" else "--s"
+        for k, ax in enumerate(axes, start=1):
+            ax.plot([p[0] for p in pts], [p[k] for p in pts], style, label=fam)
     titles = (f"{task} needle", "mean over tasks")
-    for ax, title in zip(axes, titles, strict=True):
+    for ax, title in zip(axes, titles, strict=False):
         ax.set_xscale("log")
+        ax.set_ylim(-0.05, 1.05)
         ax.axvline(12, color="grey", lw=0.8, ls=":")
         ax.set_xlabel("achieved compression vs fp16 (all bytes held, log)")
-        ax.set_title(f"{title}, {results[0]['lengths'][-1]} tokens")
+        ax.set_title(f"{title}, {longest} tokens")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy")
-    axes[1].legend(fontsize=8, loc="best")
+    axes[-1].legend(fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
