@@ -29,7 +29,7 @@ from pathlib import Path
 from model_adapters._checks import INSTALL_HINT, missing_models_extra
 from model_adapters.quant.configs import ALL_CONFIGS, QuantConfig, expand_configs
 
-__all__ = ["build_parser", "main", "run"]
+__all__ = ["build_parser", "main", "run", "train_codebook_sets"]
 
 _DEFAULT_TEXT = "the_time_machine.txt (bundled with fkvstore)"
 
@@ -199,7 +199,32 @@ def _read_text(path) -> tuple[str, str]:
 
 
 def _train_sets(configs, model, split, args, context, progress):
-    """Codebooks per (pooled, codebook_size), deep enough for every config that uses them."""
+    """The run's codebooks (:func:`train_codebook_sets` on the split's training segments)."""
+    return train_codebook_sets(
+        configs,
+        model,
+        split.train_segments,
+        codebook_dir=args.codebook_dir,
+        kmeans_iters=args.kmeans_iters,
+        seed=args.seed,
+        kmeans_points=args.kmeans_points,
+        context=context,
+        progress=progress,
+    )
+
+
+def train_codebook_sets(
+    configs, model, segments, *, codebook_dir, kmeans_iters, seed, kmeans_points, context,
+    progress,
+):
+    """Codebooks per (pooled, codebook_size), deep enough for every config that uses them.
+
+    ``segments``: runs of token ids (lists of int) the K/V are collected over, ``context``
+    tokens per forward. With ``codebook_dir`` each family is cached there as an ``.npz`` keyed
+    by the model's config fingerprint, the segments and the k-means settings, and reused.
+    Returns ``({(pooled, k): KVQuantizer on the CPU}, collect_seconds, train_seconds)`` (the
+    seconds are None when everything came from ``codebook_dir``, 0.0 when nothing is quantized).
+    """
     import numpy as np
     import torch
     from tqdm.auto import tqdm
@@ -218,31 +243,35 @@ def _train_sets(configs, model, split, args, context, progress):
         return {}, 0.0, 0.0
     shape = kv_shape(model)
     sets, paths = {}, {}
-    if args.codebook_dir:
+    if codebook_dir:
         key = hashlib.sha256(
             json.dumps(
                 [
                     config_fingerprint(model),
-                    split.train_segments,
-                    args.kmeans_iters,
-                    args.seed,
-                    args.kmeans_points,
+                    segments,
+                    kmeans_iters,
+                    seed,
+                    kmeans_points,
                     context,
                 ]
             ).encode()
         ).hexdigest()[:16]
         for (pooled, k), (ks, vs) in need.items():
             kind = "pooled" if pooled else "perhead"
-            path = Path(args.codebook_dir) / f"{kind}-k{k}-K{ks}V{vs}-{key}.npz"
+            path = Path(codebook_dir) / f"{kind}-k{k}-K{ks}V{vs}-{key}.npz"
             paths[(pooled, k)] = path
-            if path.is_file():
-                with np.load(path) as f:
+            # the family fitted with at least as many stages serves too (stages are a prefix)
+            found = [path] if path.is_file() else [
+                p for p in sorted(Path(codebook_dir).glob(f"{kind}-k{k}-K*V*-{key}.npz"))
+                if _stages_cover(p.name, ks, vs)]
+            if found:
+                with np.load(found[0]) as f:
                     sets[(pooled, k)] = KVQuantizer.from_arrays(shape, dict(f), pooled=pooled)
     missing = {pk: st for pk, st in need.items() if pk not in sets}
     if not missing:
         return sets, None, None
     t0 = time.perf_counter()
-    keys, values = collect_kv(model, split.train_segments, context=context, progress=progress)
+    keys, values = collect_kv(model, segments, context=context, progress=progress)
     collect_s = time.perf_counter() - t0
     device = next(model.parameters()).device
     keys = [k.to(device) for k in keys]
@@ -261,9 +290,9 @@ def _train_sets(configs, model, split, args, context, progress):
                 values,
                 shape,
                 cfg,
-                iters=args.kmeans_iters,
-                seed=args.seed,
-                max_points=args.kmeans_points or None,
+                iters=kmeans_iters,
+                seed=seed,
+                max_points=kmeans_points or None,
                 progress=lambda _i: bar.update(1),
             ).to("cpu")
             if (pooled, k) in paths:
@@ -273,6 +302,14 @@ def _train_sets(configs, model, split, args, context, progress):
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return sets, collect_s, time.perf_counter() - t0
+
+
+def _stages_cover(name: str, ks: int, vs: int) -> bool:
+    """Whether a cached family file ``{kind}-k{K}-K{a}V{b}-{key}.npz`` has a >= ks, b >= vs."""
+    import re
+
+    m = re.search(r"-K(\d+)V(\d+)-[0-9a-f]+\.npz$", name)
+    return m is not None and int(m.group(1)) >= ks and int(m.group(2)) >= vs
 
 
 def _codebooks_from_archive(path, config, configs):
