@@ -33,15 +33,31 @@ __all__ = [
 ]
 
 
+def load_token_array(path) -> np.ndarray:
+    """A ``.u16.xz`` token file (little-endian uint16 GPT-2 ids, xz-compressed) as an int64
+    ``(n,)`` numpy array. ValueError naming the path when it is missing or not such a file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"token file {str(path)!r} does not exist")
+    try:
+        with lzma.open(p) as f:
+            raw = f.read()
+    except lzma.LZMAError as exc:
+        raise ValueError(f"token file {str(path)!r} is not xz-compressed: {exc}") from exc
+    if len(raw) % 2:
+        raise ValueError(f"token file {str(path)!r} has an odd byte count ({len(raw)})")
+    return np.frombuffer(raw, dtype="<u2").astype(np.int64)
+
+
 def load_tokens(path) -> torch.Tensor:
-    """A ``.u16.xz`` token file (little-endian uint16, xz) as an int64 ``(n,)`` tensor."""
-    with lzma.open(Path(path)) as f:
-        ids = np.frombuffer(f.read(), dtype="<u2")
-    return torch.from_numpy(ids.astype(np.int64))
+    """:func:`load_token_array` as an int64 ``(n,)`` tensor."""
+    return torch.from_numpy(load_token_array(path))
 
 
 def retrieval_keys(tokenizer) -> tuple[list[str], list[str]]:
-    """``(training_keys, held_out_keys)`` (see the module)."""
+    """``(training keys, held-out keys)``: the vocabulary entries ``" word"`` (lowercase
+    letters, 4-9 of them), sorted, shuffled with ``random.Random(1)``; the first 80% trained
+    the stand-in, the rest are for evaluation."""
     words = set()
     for i in range(len(tokenizer)):
         w = tokenizer.decode([i])

@@ -143,10 +143,10 @@ def run(args, log=print) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from model_adapters.experiments.needles import load_token_array, retrieval_keys
     from model_adapters.models import config_fingerprint, kv_shape, max_positions
     from model_adapters.retrieval import runner
     from model_adapters.retrieval.methods import MethodContext, resolve_method
-    from model_adapters.retrieval.tasks import key_words, load_tokens
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -157,9 +157,9 @@ def run(args, log=print) -> dict:
     if max(args.lengths) > max_positions(model.config):
         raise ValueError(f"--lengths {max(args.lengths)} exceeds the model's "
                          f"{max_positions(model.config)} positions")
-    val = load_tokens(Path(args.books) / "books-gpt2-val.u16.xz")
-    train = load_tokens(Path(args.books) / "books-gpt2-train.u16.xz")
-    _, words = key_words(tokenizer)
+    val = load_token_array(Path(args.books) / "books-gpt2-val.u16.xz")
+    train = load_token_array(Path(args.books) / "books-gpt2-train.u16.xz")
+    _, words = retrieval_keys(tokenizer)
     tmp = None
     if args.codebook_dir is None:
         tmp = args.codebook_dir = tempfile.mkdtemp(prefix="fkv-codebooks-")

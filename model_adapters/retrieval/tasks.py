@@ -11,17 +11,13 @@ Token ids are plain ``list[int]`` (GPT-2 BPE); a source text is a 1-D integer ar
 
 from __future__ import annotations
 
-import lzma
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 
 __all__ = [
     "DEPTHS",
     "TASKS",
     "Item",
-    "key_words",
-    "load_tokens",
     "make_item",
     "task_items",
     "training_segments",
@@ -64,38 +60,6 @@ class Item:
     def ids(self) -> list[int]:
         """Context, question and answer: the teacher-forced sequence."""
         return self.context + self.question + self.answer
-
-
-def load_tokens(path) -> list[int] | object:
-    """A ``.u16.xz`` token file (little-endian uint16 GPT-2 ids, xz-compressed) as an int64
-    numpy array. ValueError naming the path when it is missing or not such a file."""
-    import numpy as np
-
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"token file {str(path)!r} does not exist")
-    try:
-        raw = lzma.open(p).read()
-    except lzma.LZMAError as exc:
-        raise ValueError(f"token file {str(path)!r} is not xz-compressed: {exc}") from exc
-    if len(raw) % 2:
-        raise ValueError(f"token file {str(path)!r} has an odd byte count ({len(raw)})")
-    return np.frombuffer(raw, dtype="<u2").astype(np.int64)
-
-
-def key_words(tokenizer) -> tuple[list[str], list[str]]:
-    """``(training keys, held-out keys)``: the vocabulary entries ``" word"`` (lowercase
-    letters, 4-9 of them), sorted, shuffled with ``random.Random(1)``; the first 80% trained
-    the stand-in, the rest are for evaluation."""
-    words = set()
-    for i in range(len(tokenizer)):
-        w = tokenizer.decode([i])
-        if w.startswith(" ") and w[1:].isalpha() and w[1:].islower() and 4 <= len(w) - 1 <= 9:
-            words.add(w[1:])
-    ordered = sorted(words)
-    random.Random(1).shuffle(ordered)
-    cut = len(ordered) * 4 // 5
-    return ordered[:cut], ordered[cut:]
 
 
 def _encoder(tokenizer):

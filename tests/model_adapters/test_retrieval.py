@@ -14,6 +14,7 @@ from adapters_fixtures import TOKENIZER_DIR, tiny_qwen3, transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from model_adapters.experiments import needles
 from model_adapters.retrieval import cli, methods, peers, presses, scoring, tasks
 
 pytestmark = pytest.mark.skipif(not TOKENIZER_DIR.is_dir(), reason="GPT-2 tokenizer absent")
@@ -79,7 +80,7 @@ def test_multivalue_and_depth_items(tokenizer):
 
 
 def test_key_words_rule(tokenizer):
-    train, held = tasks.key_words(tokenizer)
+    train, held = needles.retrieval_keys(tokenizer)
     assert not set(train) & set(held) and len(held) == (len(train) + len(held)) - len(train)
     assert len(train) == (len(train) + len(held)) * 4 // 5
     assert all(w.isalpha() and w.islower() and 4 <= len(w) <= 9 for w in held)
