@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="teacher-forced reproduction items per length (0: skip)")
     p.add_argument("--sinks", type=int, default=4, help="RVQ: leading positions kept exact")
     p.add_argument("--recent", type=int, default=32, help="RVQ: recent positions kept exact")
+    p.add_argument("--bottleneck", action="append", default=[], metavar="NAME=DIR",
+                   help="FSQ: the trained bottleneck (bench/fsq_finetune.py --save) of config NAME")
     p.add_argument("--codebook-dir", default=None,
                    help="fitted codebooks are cached here and reused (default: a temporary one)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
@@ -92,6 +94,12 @@ def _validate(args):
         f = Path(args.books) / f"books-gpt2-{split}.u16.xz"
         if not f.is_file():
             raise ValueError(f"--books {args.books!r} lacks {f.name}")
+    args.bottlenecks = {}
+    for given in args.bottleneck:
+        name, sep, folder = given.partition("=")
+        if not sep or not name.startswith("fsq-") or not Path(folder).exists():
+            raise ValueError(f"--bottleneck {given!r} must be fsq-wW-LL=DIR with DIR existing")
+        args.bottlenecks[name] = folder
 
 
 def _codebook_source(model, train, args, longest):
@@ -167,7 +175,7 @@ def run(args, log=print) -> dict:
     with torch.no_grad():
         codebooks, cb_info = _codebook_source(model, train, args, max(args.lengths))
     ctx = MethodContext(model, shape, codebooks, sinks=args.sinks, recent=args.recent,
-                        workdir=workdir)
+                        workdir=workdir, bottlenecks=args.bottlenecks)
     methods = [resolve_method(name, ctx) for name in args.config]
     if args.shard is not None:
         k, n = (int(x) for x in args.shard.split("/"))

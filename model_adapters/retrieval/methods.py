@@ -42,6 +42,7 @@ class MethodContext:
     sinks: int = 4
     recent: int = 32
     workdir: str | None = None
+    bottlenecks: dict = field(default_factory=dict)  # FSQ config name -> trained bottleneck
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Method:
     prefill: Callable = field(default=lambda cache: nullcontext())
     info: dict = field(default_factory=dict)
     from_exact: Callable | None = None
+    model: object | None = None  # the model this method runs (None: the run's model)
 
 
 _REGISTRY: list[tuple[re.Pattern, str, Callable]] = []
@@ -87,8 +89,9 @@ def method_family(name: str) -> str:
             return family
     raise ValueError(
         f"method {name!r} is none of: exact, an RVQ config (perhead-k256-s2, ...), "
-        "quanto-2/4, hqq-2/4, fp8, {streamingllm|knorm|snapkv|pyramidkv}-RATIO"
-        + (", or a registered family" if len(_REGISTRY) > 4 else "")
+        "quanto-2/4, hqq-2/4, fp8, {streamingllm|knorm|snapkv|pyramidkv}-RATIO, "
+        "fsq-wW-LL (with --bottleneck)"
+        + (", or a registered family" if len(_REGISTRY) > 5 else "")
     )
 
 
@@ -202,7 +205,32 @@ def _press(name, ctx):
     )
 
 
+def _fsq(name, ctx):
+    """The base model converted to FSQ with the trained bottleneck given for ``name``
+    (``--bottleneck fsq-w32-L16=DIR``), answering through an ``FSQCache``. Bytes: the packed
+    codes and the positions the cache holds; the decoders are weights, not counted."""
+    from model_adapters.caches.fsq_cache import FSQCache
+    from model_adapters.quant.fsq import FsqConfig
+    from model_adapters.quant.fsq_config import fsq_spec
+    from model_adapters.quant.fsq_convert import load_bottleneck
+
+    if name not in ctx.bottlenecks:
+        raise ValueError(f"method {name!r} needs a trained bottleneck: --bottleneck {name}=DIR "
+                         f"(given for: {sorted(ctx.bottlenecks) or 'none'})")
+    converted = load_bottleneck(ctx.bottlenecks[name], ctx.model)
+    width, levels, tau = fsq_spec(converted.config)
+    wanted = FsqConfig.parse(name)
+    if (wanted.width, tuple(wanted.levels)) != (width, tuple(levels)):
+        raise ValueError(f"method {name!r}: the bottleneck at {ctx.bottlenecks[name]} is "
+                         f"w={width}, levels {sorted(set(levels))}")
+    return Method(name, "fsq", lambda measure: FSQCache(converted),
+                  lambda cache, tokens: cache.nbytes(), model=converted,
+                  info={"width": width, "levels": sorted(set(levels)), "tau": tau,
+                        "bottleneck": str(ctx.bottlenecks[name])})
+
+
 register_method(r"exact", "exact", _exact)
 register_method(r"(pooled|perhead|hybrid)-k\d+-.*", "rvq", _rvq)
 register_method(r"(quanto|hqq)-\d+|fp8", "quantized-cache", _quantized)
 register_method(r"(streamingllm|knorm|snapkv|pyramidkv)-(0?\.\d+|0)", "press", _press)
+register_method(r"fsq-w\d+-L\d+(-tau[0-9.]+)?", "fsq", _fsq)

@@ -103,6 +103,7 @@ def greedy_answer(model, method, item, tokenizer, measure: bool = False, max_new
     """
     from model_adapters.models import cache_kwarg
 
+    model = method.model if method.model is not None else model
     device = next(model.parameters()).device
     kw = cache_kwarg(model)
     n = len(item.context)

@@ -294,3 +294,30 @@ def test_a_shared_exact_prefill_builds_the_same_caches(tiny_run, tokenizer):
                 assert (x is None and y is None) or torch.equal(x, y), (name, attr)
         with_shared = scoring.greedy_answer(model, m, item, tokenizer, shared=shared)
         assert with_shared == scoring.greedy_answer(model, m, item, tokenizer), name
+
+
+def test_fsq_method_answers_like_the_converted_model(tiny_run, tokenizer, tmp_path):
+    """``fsq-wW-LL`` runs the converted model on an FSQCache: its greedy answer equals the
+    converted model's own with an exact DynamicCache (float32), and it stores the packed codes
+    and the positions alone."""
+    from transformers import DynamicCache
+
+    from model_adapters.models import kv_shape
+    from model_adapters.quant.fsq_convert import convert_to_fsq, save_bottleneck
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_run[0]).eval()
+    save_bottleneck(convert_to_fsq(model, "fsq-w8-L16"), tmp_path / "b")
+    ctx = methods.MethodContext(model, kv_shape(model), bottlenecks={"fsq-w8-L16": tmp_path / "b"})
+    with pytest.raises(ValueError, match="fsq-w16-L16=DIR"):
+        methods.resolve_method("fsq-w16-L16", ctx)
+    m = methods.resolve_method("fsq-w8-L16", ctx)
+    assert m.family == "fsq" and m.model is not model
+    source = np.random.default_rng(2).integers(0, 50000, 3000)
+    item = tasks.make_item("single", 200, source, ["alpha", "bravo"], tokenizer,
+                           random.Random(1))
+    dense = methods.Method("dense", "exact", lambda measure: DynamicCache(),
+                           lambda cache, tokens: 0, model=m.model)
+    text, stored = scoring.greedy_answer(model, m, item, tokenizer, measure=True)
+    assert text == scoring.greedy_answer(model, dense, item, tokenizer)[0]
+    layers = model.config.num_hidden_layers
+    assert stored == len(item.context) * (4 * layers + 8)  # 8 coordinates x 4 bits; positions
