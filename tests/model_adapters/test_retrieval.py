@@ -159,12 +159,13 @@ def test_method_registry_names_and_hook():
     assert methods.method_family("snapkv-0.9") == "press"
     assert methods.method_family("perhead-k256-s2") == "rvq"
     assert methods.method_family("hqq-2") == "quantized-cache"
-    with pytest.raises(ValueError, match="'fsq-w32-L16'"):
-        methods.method_family("fsq-w32-L16")
+    assert methods.method_family("fsq-w32-L16") == "fsq"
+    with pytest.raises(ValueError, match="'lexical-0.5'"):
+        methods.method_family("lexical-0.5")
     made = []
-    methods.register_method(r"fsq-.*", "fsq", lambda name, ctx: made.append(name) or name)
+    methods.register_method(r"lexical-.*", "lexical", lambda name, ctx: made.append(name) or name)
     try:
-        assert methods.resolve_method("fsq-w32-L16", None) == "fsq-w32-L16" and made
+        assert methods.resolve_method("lexical-0.5", None) == "lexical-0.5" and made
     finally:
         methods._REGISTRY.pop(0)
 
