@@ -34,6 +34,11 @@ from model_adapters.models import cache_kwarg  # noqa: E402
 from model_adapters.quant.fsq_convert import load_bottleneck  # noqa: E402
 
 
+def _inv_freq_dtype(model) -> str:
+    rotary = rotary_embedding(model)
+    return "none" if rotary is None else str(rotary.inv_freq.dtype).removeprefix("torch.")
+
+
 @torch.no_grad()
 def logits_check(model, tokens, steps, kw, backend) -> dict:
     n = tokens.shape[1]
@@ -97,7 +102,7 @@ def main(argv=None) -> int:
         model.to(dtype)
         tokens = val[:args.tokens][None].to(args.device)
         rows.append({"dtype": str(dtype).removeprefix("torch."),
-                     "inv_freq_dtype": str(getattr(rotary_embedding(model), "inv_freq", None)),
+                     "inv_freq_dtype": _inv_freq_dtype(model),
                      **logits_check(model, tokens, args.steps, kw, args.backend)})
     gen = needles(model, val, keys, encode, args.length, args.items, kw, args.backend)
     print(markdown_table(rows, [("dtype", "dtype"), ("inv_freq_dtype", "inv_freq"),
