@@ -21,6 +21,14 @@ exact to keep.
 Positions: the model's ``position_ids`` of each token are kept once for the whole cache (8
 bytes per token, in the first layer), so left-padded batches rotate keys where the model's own
 forward does.
+
+RoPE: keys rotate with the model's own rotary embedding's ``inv_freq``, the frequencies that
+rotated its queries, with angles computed as transformers computes them (``position *
+inv_freq`` in float32), not with frequencies recomputed from theta. ``model.to(torch.bfloat16)``
+rounds that buffer to bfloat16 (relative error up to 2^-9); keys rotated at theta's exact
+frequencies then drift from the queries by ``position * error`` radians (several radians at 8K
+positions), which broke long-context retrieval. The Triton kernel gets theta when the model's
+frequencies are theta's (float32), else ``(cos, sin)`` tables of the model's frequencies.
 """
 
 from __future__ import annotations
@@ -29,13 +37,12 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kernels import fsq_decode_attention
-from kernels.fsq_reference import rope_cos_sin
 from model_adapters.caches.window import crop_target
 from model_adapters.quant.fsq import FSQ
 from model_adapters.quant.fsq_config import fsq_spec
 from model_adapters.quant.fsq_model import attention_layers
 
-__all__ = ["FSQCache", "FsqLayer", "fsq_torch_attention"]
+__all__ = ["FSQCache", "FsqLayer", "fsq_torch_attention", "rope_angles", "rotary_embedding"]
 
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -84,9 +91,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], -1)
 
 
+def rope_angles(rope, positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """``(cos, sin)`` ``(n, head_dim)`` float32 at ``positions`` ``(n,)`` for ``rope``: a float
+    theta (``inv_freq_i = theta^(-2i / head_dim)``) or the model's inverse frequencies
+    ``(head_dim / 2,)`` (any float dtype). Computed as transformers' rotary embedding computes
+    its queries' angles (``position * inv_freq`` in float32), so keys rotate exactly as the
+    model's queries do, whatever the inverse frequencies' dtype."""
+    if isinstance(rope, torch.Tensor):
+        inv = rope.to(positions.device, torch.float32)
+    else:
+        inv = 1.0 / (float(rope) ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                                  device=positions.device).float() / head_dim))
+    angles = positions.float()[:, None] * inv[None, :]
+    angles = torch.cat([angles, angles], dim=1)
+    return angles.cos(), angles.sin()
+
+
 def fsq_torch_attention(query: torch.Tensor, codes: torch.Tensor, folded, *, scale: float,
                         k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6,
-                        rope_theta: float | None = None, positions: torch.Tensor | None = None,
+                        rope: float | torch.Tensor | None = None,
+                        positions: torch.Tensor | None = None,
                         mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``n`` new queries over ``seq`` cached codes, in float32.
 
@@ -98,7 +122,8 @@ def fsq_torch_attention(query: torch.Tensor, codes: torch.Tensor, folded, *, sca
             head_dim, w)`` and biases ``(kv_heads, head_dim)`` reading integer codes
             (:meth:`~model_adapters.quant.fsq.FsqBottleneck.folded`).
         scale: softmax scale. k_norm / norm_eps: Qwen3's key RMSNorm weight ``(head_dim,)``.
-        rope_theta: RoPE base, or None.
+        rope: RoPE base (float) or the model's inverse frequencies ``(head_dim / 2,)``
+            (:func:`rope_angles`), or None (no rotation).
         positions: ``(batch, seq)`` RoPE positions of the cached tokens (None: their indices).
         mask: broadcastable to ``(batch, q_heads, n, seq)``, boolean (True attends) or additive;
             None means causal.
@@ -113,10 +138,10 @@ def fsq_torch_attention(query: torch.Tensor, codes: torch.Tensor, folded, *, sca
     keys = torch.einsum("hdw,btw->bhtd", wk, z) + bk[None, :, None]
     if k_norm is not None:
         keys = keys * torch.rsqrt(keys.pow(2).mean(-1, keepdim=True) + norm_eps) * k_norm.float()
-    if rope_theta is not None:
+    if rope is not None:
         if positions is None:
             positions = torch.arange(seq, device=codes.device).expand(batch, seq)
-        cos, sin = rope_cos_sin(rope_theta, positions.reshape(-1), dim)
+        cos, sin = rope_angles(rope, positions.reshape(-1), dim)
         cos, sin = cos.view(batch, 1, seq, dim), sin.view(batch, 1, seq, dim)
         keys = keys * cos + _rotate_half(keys) * sin
     group = q_heads // kv_heads
@@ -134,6 +159,20 @@ def fsq_torch_attention(query: torch.Tensor, codes: torch.Tensor, folded, *, sca
     pooled = torch.einsum("bhgnt,btw->bhgnw", weights, z)
     out = torch.einsum("bhgnw,hdw->bhgnd", pooled, wv) + bv[None, :, None, None]
     return out.reshape(batch, q_heads, n, dim).transpose(1, 2).to(query.dtype)
+
+
+def rotary_embedding(model) -> torch.nn.Module | None:
+    """The model's rotary embedding (the module whose ``inv_freq`` rotates its queries), or None
+    (GPT-2). ValueError for one that scales its tables (``attention_scaling != 1``), which the
+    codes path does not reproduce (conversion accepts plain RoPE only)."""
+    found = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    if not found:
+        return None
+    scaling = float(getattr(found[0], "attention_scaling", 1.0))
+    if scaling != 1.0:
+        raise ValueError(f"FSQCache reproduces plain RoPE only; the model's rotary embedding "
+                         f"scales by attention_scaling={scaling}")
+    return found[0]
 
 
 def _all_visible(mask) -> bool:
@@ -161,6 +200,9 @@ class FSQCache(Cache):
         super().__init__(layers=[FsqLayer(keeps_positions=i == 0) for i in range(n_layers)])
         self.fsq = FSQ(levels)
         self.backend = backend
+        self.rotary = rotary_embedding(model)
+        self._kernel_rope: tuple = (None, None)  # (inverse-frequency key, theta or ())
+        self._kernel_tables: tuple | None = None  # (inverse-frequency key, cos, sin)
         self.kernel_calls = 0  # decode steps (per layer) sent to kernels.fsq_decode_attention
 
     @property
@@ -207,17 +249,46 @@ class FSQCache(Cache):
         norm = module.fsq_k_norm
         k_norm = None if norm is None else norm.weight
         eps = 1e-6 if norm is None else float(getattr(norm, "variance_epsilon", 1e-6))
+        rope = module.fsq_rope_theta
+        if rope is not None and self.rotary is not None:
+            rope = self.rotary.inv_freq  # what rotated the query: bf16 after model.to(bf16)
         step = query.shape[2] == 1
         if step and self.backend != "torch" and query.dtype in (torch.float16, torch.bfloat16) \
                 and (query.is_cuda or self.backend == "triton") and _all_visible(attention_mask):
             self.kernel_calls += 1
             out = fsq_decode_attention(
                 query[:, :, 0], packed, self.fsq.levels, folded[0], folded[2],
-                key_bias=folded[1], value_bias=folded[3], rope=module.fsq_rope_theta,
-                positions=positions if module.fsq_rope_theta is not None else None,
-                k_norm=k_norm, norm_eps=eps, scale=module.scaling, backend=self.backend)
+                key_bias=folded[1], value_bias=folded[3],
+                rope=self._rope_for_kernel(module, rope, positions),
+                positions=positions if rope is not None else None, k_norm=k_norm, norm_eps=eps,
+                scale=module.scaling, backend=self.backend)
             return out[:, None]
         return fsq_torch_attention(query, self.fsq.unpack(packed), folded, scale=module.scaling,
-                                   k_norm=k_norm, norm_eps=eps,
-                                   rope_theta=module.fsq_rope_theta, positions=positions,
+                                   k_norm=k_norm, norm_eps=eps, rope=rope, positions=positions,
                                    mask=attention_mask)
+
+    def _rope_for_kernel(self, module, rope, positions: torch.Tensor):
+        """The kernel's ``rope``: the layer's theta when the model's inverse frequencies are
+        theta's (float32, as transformers computes them; the kernel's angles are then exact),
+        else ``(cos, sin)`` tables from the model's own frequencies (e.g. rounded to bfloat16
+        by ``model.to(torch.bfloat16)``) covering every cached position (one read-back of the
+        largest position per step; the tables are kept and grow by doubling)."""
+        if not isinstance(rope, torch.Tensor):
+            return rope
+        theta, dim = module.fsq_rope_theta, 2 * rope.shape[0]
+        key = (rope.data_ptr(), rope.dtype, rope.device, rope._version)
+        if self._kernel_rope[0] != key:
+            ref = 1.0 / (float(theta) ** (torch.arange(0, dim, 2, device=rope.device).float()
+                                          / dim))
+            exact = rope.dtype == torch.float32 and bool(
+                torch.allclose(rope, ref, rtol=1e-6, atol=0.0))
+            self._kernel_rope = (key, theta if exact else ())
+        if self._kernel_rope[1] != ():
+            return self._kernel_rope[1]
+        top = int(positions.max()) + 1
+        tables = self._kernel_tables
+        if tables is None or tables[0] != key or tables[1].shape[0] < top:
+            size = 1 << max(10, (top - 1).bit_length())
+            self._kernel_tables = tables = (
+                key, *rope_angles(rope, torch.arange(size, device=rope.device), dim))
+        return tables[1:]

@@ -133,7 +133,7 @@ def test_pooled_codes_equal_attention_over_decoded_values(gqa):
     codes = torch.randint(0, 16, (2, seq, w), generator=g)
     query = torch.randn(2, kv * gqa, n, d, generator=g)
     k_norm = torch.rand(d, generator=g) + 0.5
-    got = fsq_torch_attention(query, codes, folded, scale=0.3, k_norm=k_norm, rope_theta=1e4)
+    got = fsq_torch_attention(query, codes, folded, scale=0.3, k_norm=k_norm, rope=1e4)
     # oracle: decode every key and value densely, rotate, causal SDPA
     z = codes.float()
     keys = torch.einsum("hdw,btw->bhtd", folded[0], z) + folded[1][None, :, None]
