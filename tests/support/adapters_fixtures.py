@@ -48,15 +48,8 @@ def tiny_qwen3(vocab_size: int = 101, seed: int = 0):
 TINY_MODELS = {"gpt2": tiny_gpt2, "qwen3": tiny_qwen3}
 
 
-def _shared_tokenizer() -> Path:
-    """``shared/models/gpt2-tokenizer`` beside the checkout, or beside a folder holding it (a
-    git worktree one level deeper); the nearest one that exists."""
-    here = Path(__file__).resolve().parents[2]
-    candidates = [d / "shared" / "models" / "gpt2-tokenizer" for d in here.parents]
-    return next((c for c in candidates if c.is_dir()), candidates[0])
-
-
-TOKENIZER_DIR = _shared_tokenizer()
+# the GPT-2 vocabulary and merges, kept with the tests (tests/data/gpt2-tokenizer/README.md)
+TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "data" / "gpt2-tokenizer"
 
 
 def random_quantizer(model, key_stages=2, value_stages=1, k=16, seed=0):
