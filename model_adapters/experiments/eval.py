@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from model_adapters._checks import INSTALL_HINT, missing_models_extra
+from model_adapters._checks import INSTALL_HINT, missing_models_extra, require_models_extra
 from model_adapters.quant.configs import ALL_CONFIGS, QuantConfig, expand_configs
 
 __all__ = ["build_parser", "main", "run", "train_codebook_sets"]
@@ -563,10 +563,10 @@ def default_threads() -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    missing = missing_models_extra()
-    if missing:
-        print(f"error: the evaluation needs the 'models' extra ({', '.join(missing)} missing): "
-              f"{INSTALL_HINT}", file=sys.stderr)
+    try:
+        require_models_extra("the evaluation")
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     from model_adapters.store.archive_io import ArchiveUnavailableError
 

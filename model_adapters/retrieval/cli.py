@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from model_adapters._checks import INSTALL_HINT, missing_models_extra
+from model_adapters._checks import require_models_extra
 
 __all__ = ["build_parser", "main", "run"]
 
@@ -226,10 +226,10 @@ def run(args, log=print) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    missing = missing_models_extra()
-    if missing:
-        print(f"error: the retrieval benchmark needs the 'models' extra ({', '.join(missing)} "
-              f"missing): {INSTALL_HINT}", file=sys.stderr)
+    try:
+        require_models_extra("the retrieval benchmark")
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         result = run(args, log=lambda s: print(s, file=sys.stderr, flush=True))
