@@ -49,6 +49,34 @@ from model_adapters.quant.fsq_convert import (  # noqa: E402
 from model_adapters.quant.fsq_train import finetune_fsq, steps_for_tau  # noqa: E402
 
 
+def load_setup(args):
+    """The frozen base model (float32, on ``args.device``), the training and held-out token
+    arrays, the training and held-out needle keys, and the tokenizer's ``encode``."""
+    tok = AutoTokenizer.from_pretrained(args.model)
+    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
+    base.eval()
+    for prm in base.parameters():
+        prm.requires_grad_(False)
+    train_keys, held_keys = retrieval_keys(tok)
+
+    def encode(s):
+        return tok(s, add_special_tokens=False)["input_ids"]
+
+    return (base, load_tokens(args.train), load_tokens(args.val), train_keys, held_keys,
+            encode)
+
+
+def exact_row_and_calibration(base, train, val, held_keys, encode, args, result):
+    """Measure the exact model into ``result["rows"]``; return the conversion's calibration
+    ids, ``(args.calibration, 2048)`` training tokens at seeded offsets."""
+    row = {"config": "exact", **measure(base, val, held_keys, encode, args)}
+    result["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    g = torch.Generator().manual_seed(1)
+    starts = torch.randint(0, len(train) - 2049, (args.calibration,), generator=g)
+    return torch.stack([train[s:s + 2048] for s in starts.tolist()])
+
+
 def measure(model, val, keys, encode, args) -> dict:
     t0 = time.time()
     ppl = book_perplexity(model, val, autocast=torch.bfloat16 if args.device == "cuda" else None)
@@ -135,17 +163,7 @@ def main(argv=None) -> int:
     args.lengths = [int(v) for v in args.lengths.split(",")]
     torch.manual_seed(0)
     started = time.time()
-    tok = AutoTokenizer.from_pretrained(args.model)
-    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
-    base.eval()
-    for prm in base.parameters():
-        prm.requires_grad_(False)
-    train, val = load_tokens(args.train), load_tokens(args.val)
-    train_keys, held_keys = retrieval_keys(tok)
-
-    def encode(s):
-        return tok(s, add_special_tokens=False)["input_ids"]
-
+    base, train, val, train_keys, held_keys, encode = load_setup(args)
     n_params = sum(prm.numel() for prm in base.parameters())
     result = {"machine": machine(), "model": Path(args.model).name, "spec": args.spec,
               "tau": args.tau, "base_parameters": n_params, "args": {
@@ -175,12 +193,7 @@ def main(argv=None) -> int:
         if not args.save:
             print("wrote", write_json(name, result))
         return 0
-    row = {"config": "exact", **measure(base, val, held_keys, encode, args)}
-    result["rows"].append(row)
-    print(json.dumps(row), flush=True)
-    g = torch.Generator().manual_seed(1)
-    starts = torch.randint(0, len(train) - 2049, (args.calibration,), generator=g)
-    calib = torch.stack([train[s:s + 2048] for s in starts.tolist()])
+    calib = exact_row_and_calibration(base, train, val, held_keys, encode, args, result)
     t0 = time.time()
     converted = convert_to_fsq(base, args.spec, calib)
     row = {"config": f"{args.spec}-tau0", "convert_seconds": round(time.time() - t0, 1),

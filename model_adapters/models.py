@@ -16,7 +16,7 @@ import hashlib
 import inspect
 import json
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -38,7 +38,8 @@ class KVShape:
     """KV cache geometry of one model.
 
     Attributes:
-        model_type: ``"gpt2"`` or ``"qwen3"``.
+        model_type: ``"gpt2"`` or ``"qwen3"`` (``"fsq_gpt2"`` / ``"fsq_qwen3"`` for an
+            FSQ-converted model, whose cache is codes: the geometry is what they decode to).
         num_layers: decoder layers.
         kv_heads: key/value heads per layer (query heads for GPT-2).
         head_dim: size of one key or value vector.
@@ -96,7 +97,21 @@ def _qwen3(config) -> tuple[KVShape, dict]:
     return shape, ident
 
 
-_ADAPTERS = {"gpt2": _gpt2, "qwen3": _qwen3}
+def _fsq(base):
+    """An FSQ-converted model (``fsq_gpt2`` / ``fsq_qwen3``): the base model's cache geometry;
+    the FSQ setting is part of the identity (its codes mean nothing under another)."""
+
+    def adapt(config) -> tuple[KVShape, dict]:
+        shape, ident = base(config)
+        levels = config.fsq_levels
+        ident.update(fsq_width=int(config.fsq_width),
+                     fsq_levels=levels if isinstance(levels, int) else list(levels))
+        return replace(shape, model_type=config.model_type), ident
+
+    return adapt
+
+
+_ADAPTERS = {"gpt2": _gpt2, "qwen3": _qwen3, "fsq_gpt2": _fsq(_gpt2), "fsq_qwen3": _fsq(_qwen3)}
 SUPPORTED_MODEL_TYPES = tuple(_ADAPTERS)
 
 
@@ -121,7 +136,7 @@ def max_positions(config) -> int:
     config = getattr(config, "config", config)
     _adapt(config)
     return int(
-        config.n_positions if config.model_type == "gpt2" else config.max_position_embeddings
+        config.n_positions if config.model_type.endswith("gpt2") else config.max_position_embeddings
     )
 
 
@@ -170,7 +185,8 @@ class ModelIdentity:
     """Which model codebooks or an archive belong to.
 
     Attributes:
-        model_type: ``"gpt2"`` or ``"qwen3"``.
+        model_type: ``"gpt2"`` or ``"qwen3"`` (``"fsq_gpt2"`` / ``"fsq_qwen3"`` for an
+            FSQ-converted model, whose cache is codes: the geometry is what they decode to).
         config: :func:`config_fingerprint` (sha256 hex).
         weights: :func:`weights_fingerprint`, or None where only a configuration was seen (a
             config instead of a model, or an archive written before weights were recorded).

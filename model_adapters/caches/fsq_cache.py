@@ -42,7 +42,8 @@ from model_adapters.quant.fsq import FSQ
 from model_adapters.quant.fsq_config import fsq_spec
 from model_adapters.quant.fsq_model import attention_layers
 
-__all__ = ["FSQCache", "FsqLayer", "fsq_torch_attention", "rope_angles", "rotary_embedding"]
+__all__ = ["FSQCache", "FsqLayer", "decode_keys", "decode_values", "fsq_torch_attention",
+           "rope_angles", "rotary_embedding"]
 
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -107,6 +108,40 @@ def rope_angles(rope, positions: torch.Tensor, head_dim: int) -> tuple[torch.Ten
     return angles.cos(), angles.sin()
 
 
+def decode_keys(codes: torch.Tensor, folded, *, k_norm: torch.Tensor | None = None,
+                norm_eps: float = 1e-6, rope: float | torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The keys integer codes stand for, as the model attends to them.
+
+    Args:
+        codes: ``(batch, seq, w)`` integer codes.
+        folded, k_norm, norm_eps, rope: as in :func:`fsq_torch_attention`.
+        positions: ``(batch, seq)`` RoPE positions (None: ``0 .. seq - 1``).
+
+    Returns:
+        ``(batch, kv_heads, seq, head_dim)`` float32: decoder, k_norm, then RoPE.
+    """
+    wk, bk = (t.float() for t in folded[:2])
+    batch, seq = codes.shape[:2]
+    dim = wk.shape[1]
+    keys = torch.einsum("hdw,btw->bhtd", wk, codes.float()) + bk[None, :, None]
+    if k_norm is not None:
+        keys = keys * torch.rsqrt(keys.pow(2).mean(-1, keepdim=True) + norm_eps) * k_norm.float()
+    if rope is not None:
+        if positions is None:
+            positions = torch.arange(seq, device=codes.device).expand(batch, seq)
+        cos, sin = rope_angles(rope, positions.reshape(-1), dim)
+        cos, sin = cos.view(batch, 1, seq, dim), sin.view(batch, 1, seq, dim)
+        keys = keys * cos + _rotate_half(keys) * sin
+    return keys
+
+
+def decode_values(codes: torch.Tensor, folded) -> torch.Tensor:
+    """``(batch, kv_heads, seq, head_dim)`` float32 values of ``(batch, seq, w)`` codes."""
+    wv, bv = (t.float() for t in folded[2:])
+    return torch.einsum("hdw,btw->bhtd", wv, codes.float()) + bv[None, :, None]
+
+
 def fsq_torch_attention(query: torch.Tensor, codes: torch.Tensor, folded, *, scale: float,
                         k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6,
                         rope: float | torch.Tensor | None = None,
@@ -131,19 +166,12 @@ def fsq_torch_attention(query: torch.Tensor, codes: torch.Tensor, folded, *, sca
     Returns:
         ``(batch, n, q_heads, head_dim)`` in the query's dtype.
     """
-    wk, bk, wv, bv = (t.float() for t in folded)
+    wv, bv = (t.float() for t in folded[2:])
     batch, q_heads, n, dim = query.shape
-    kv_heads, seq = wk.shape[0], codes.shape[1]
+    kv_heads, seq = wv.shape[0], codes.shape[1]
     z = codes.float()
-    keys = torch.einsum("hdw,btw->bhtd", wk, z) + bk[None, :, None]
-    if k_norm is not None:
-        keys = keys * torch.rsqrt(keys.pow(2).mean(-1, keepdim=True) + norm_eps) * k_norm.float()
-    if rope is not None:
-        if positions is None:
-            positions = torch.arange(seq, device=codes.device).expand(batch, seq)
-        cos, sin = rope_angles(rope, positions.reshape(-1), dim)
-        cos, sin = cos.view(batch, 1, seq, dim), sin.view(batch, 1, seq, dim)
-        keys = keys * cos + _rotate_half(keys) * sin
+    keys = decode_keys(codes, folded, k_norm=k_norm, norm_eps=norm_eps, rope=rope,
+                       positions=positions)
     group = q_heads // kv_heads
     q = query.float().reshape(batch, kv_heads, group, n, dim)
     scores = torch.einsum("bhgnd,bhtd->bhgnt", q, keys).reshape(batch, q_heads, n, seq) * scale
@@ -245,13 +273,7 @@ class FSQCache(Cache):
         position_ids = position_ids.to(codes.device, torch.long).expand(batch, n)
         packed = layer.append(self.fsq.pack(codes), position_ids)
         positions = self.layers[0].positions()
-        folded = module.fsq.folded()
-        norm = module.fsq_k_norm
-        k_norm = None if norm is None else norm.weight
-        eps = 1e-6 if norm is None else float(getattr(norm, "variance_epsilon", 1e-6))
-        rope = module.fsq_rope_theta
-        if rope is not None and self.rotary is not None:
-            rope = self.rotary.inv_freq  # what rotated the query: bf16 after model.to(bf16)
+        folded, k_norm, eps, rope = self._decoding(module)
         step = query.shape[2] == 1
         if step and self.backend != "torch" and query.dtype in (torch.float16, torch.bfloat16) \
                 and (query.is_cuda or self.backend == "triton") and _all_visible(attention_mask):
@@ -266,6 +288,40 @@ class FSQCache(Cache):
         return fsq_torch_attention(query, self.fsq.unpack(packed), folded, scale=module.scaling,
                                    k_norm=k_norm, norm_eps=eps, rope=rope, positions=positions,
                                    mask=attention_mask)
+
+    def _decoding(self, module) -> tuple:
+        """``(folded decoders, k_norm weight or None, norm eps, rope)`` of a converted attention
+        layer, ``rope`` being the model's own inverse frequencies where it has RoPE."""
+        folded = module.fsq.folded()
+        norm = module.fsq_k_norm
+        k_norm = None if norm is None else norm.weight
+        eps = 1e-6 if norm is None else float(getattr(norm, "variance_epsilon", 1e-6))
+        rope = module.fsq_rope_theta
+        if rope is not None and self.rotary is not None:
+            rope = self.rotary.inv_freq  # what rotated the query: bf16 after model.to(bf16)
+        return folded, k_norm, eps, rope
+
+    @torch.no_grad()
+    def decode(self, module, codes: torch.Tensor,
+               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values ``(batch, n, w)`` integer codes stand for in ``module``'s layer
+        (a converted attention layer of this cache's model), keys as attended: k_norm, then
+        RoPE at ``positions`` ``(batch, n)`` (None: ``0 .. n - 1``). Each ``(batch, kv_heads,
+        n, head_dim)`` float32."""
+        folded, k_norm, eps, rope = self._decoding(module)
+        keys = decode_keys(codes, folded, k_norm=k_norm, norm_eps=eps, rope=rope,
+                           positions=positions)
+        return keys, decode_values(codes, folded)
+
+    def load(self, layer_codes: list[torch.Tensor], positions: torch.Tensor) -> None:
+        """Fill an empty cache: ``layer_codes[i]`` ``(batch, seq, w)`` integer codes of layer
+        ``i`` at ``(batch, seq)`` int64 ``positions`` (what :meth:`fsq_attention` would have
+        appended for those tokens, e.g. read back from an archive)."""
+        if self.get_seq_length() or len(layer_codes) != len(self.layers):
+            raise ValueError(f"load needs an empty cache and {len(self.layers)} layers of codes, "
+                             f"got {self.get_seq_length()} positions and {len(layer_codes)}")
+        for layer, codes in zip(self.layers, layer_codes, strict=True):
+            layer.append(self.fsq.pack(codes), positions.to(codes.device, torch.long))
 
     def _rope_for_kernel(self, module, rope, positions: torch.Tensor):
         """The kernel's ``rope``: the layer's theta when the model's inverse frequencies are

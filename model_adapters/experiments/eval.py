@@ -27,6 +27,14 @@ import time
 from pathlib import Path
 
 from model_adapters._checks import INSTALL_HINT, missing_models_extra, require_models_extra
+from model_adapters.experiments.fsq_eval import (
+    calibration_ids,
+    convert_or_load,
+    evaluate_fsq,
+    is_fsq,
+    parse_bottlenecks,
+    summarise_fsq,
+)
 from model_adapters.quant.configs import ALL_CONFIGS, QuantConfig, expand_configs
 
 __all__ = ["build_parser", "main", "run", "train_codebook_sets"]
@@ -53,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         epilog="Configs: exact | {pooled|perhead}-k{K}-s{S}[-keysonly|-valuesonly] | "
         "{pooled|perhead}-k{K}-K{a}V{b} | hybrid-k256-K4V2 (= perhead-k256-K4V2) | all "
-        f"({', '.join(ALL_CONFIGS)}).{needs}",
+        f"({', '.join(ALL_CONFIGS)}) | fsq-w{{W}}-L{{L}}[-tau{{T}}] (an FSQ-converted model; "
+        f"see --bottleneck).{needs}",
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--model", required=True, help="local checkpoint directory with its tokenizer")
@@ -73,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="quantizer configuration; repeat for several; 'all' = the paper's rows (default: all)",
     )
+    p.add_argument("--bottleneck", action="append", default=[], metavar="NAME=DIR",
+                   help="FSQ config NAME uses the trained bottleneck saved in DIR (repeat); "
+                   "without one an fsq config is converted from the training text, unfinetuned")
     p.add_argument("--sinks", type=int, default=4, help="leading positions kept exact")
     p.add_argument("--recent", type=int, default=32, help="most recent positions kept exact")
     p.add_argument(
@@ -134,7 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(args) -> list[QuantConfig]:
-    configs = expand_configs(args.config or ["all"])
+    names = args.config or ["all"]
+    args.fsq_configs = [n for n in names if is_fsq(n)]
+    args.bottlenecks = parse_bottlenecks(args.bottleneck)
+    rvq = [n for n in names if not is_fsq(n)]
+    configs = expand_configs(rvq) if rvq else []
     for name in (
         "tokens",
         "sinks",
@@ -522,6 +538,15 @@ def run(args) -> dict:
 
                 base = (perplexity(nlls), perplexity(nlls[args.tokens // 2 - 1 :]))
             rows.append(_summarise(cfg, nlls, base, storage, shape, args.tokens, seconds))
+        calibration = calibration_ids(split.train_segments, min(context, 1024))
+        for name in args.fsq_configs:
+            converted = convert_or_load(name, model, bottlenecks=args.bottlenecks,
+                                        calibration=calibration.to(device),
+                                        cache_dir=args.codebook_dir)
+            nlls, seconds, storage = evaluate_fsq(name, converted, split.passage, archive_dir,
+                                                  progress)
+            rows.append(summarise_fsq(name, converted, nlls, base, storage, shape, args.tokens,
+                                      seconds))
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

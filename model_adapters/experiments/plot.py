@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = ["rate_distortion"]
 
-_COLOURS = {"pooled": "tab:red", "perhead": "tab:blue", "hybrid": "tab:green"}
+_COLOURS = {"pooled": "tab:red", "perhead": "tab:blue", "hybrid": "tab:green", "fsq": "tab:purple"}
 
 
 def _rate(row):
@@ -29,11 +29,12 @@ def rate_distortion(results: list[dict], path) -> None:
     for ax, res in zip(axes[0], results, strict=True):
         estimated = False
         for row in res["configs"]:
-            if row["key_stages"] == 0 or row["value_stages"] == 0:
+            fsq = row.get("family") == "fsq"
+            if not fsq and (row["key_stages"] == 0 or row["value_stages"] == 0):
                 continue
             rate, est = _rate(row)
             estimated |= est
-            kind = (
+            kind = "fsq" if fsq else (
                 "hybrid"
                 if row["key_stages"] != row["value_stages"]
                 else ("pooled" if row["pooled"] else "perhead")

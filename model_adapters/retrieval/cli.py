@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(args):
+    from model_adapters.experiments.fsq_eval import parse_bottlenecks
     from model_adapters.retrieval.methods import method_family
     from model_adapters.retrieval.tasks import TASKS
 
@@ -94,12 +95,7 @@ def _validate(args):
         f = Path(args.books) / f"books-gpt2-{split}.u16.xz"
         if not f.is_file():
             raise ValueError(f"--books {args.books!r} lacks {f.name}")
-    args.bottlenecks = {}
-    for given in args.bottleneck:
-        name, sep, folder = given.partition("=")
-        if not sep or not name.startswith("fsq-") or not Path(folder).exists():
-            raise ValueError(f"--bottleneck {given!r} must be fsq-wW-LL=DIR with DIR existing")
-        args.bottlenecks[name] = folder
+    args.bottlenecks = parse_bottlenecks(args.bottleneck)
 
 
 def _codebook_source(model, train, args, longest):

@@ -210,19 +210,14 @@ def _fsq(name, ctx):
     (``--bottleneck fsq-w32-L16=DIR``), answering through an ``FSQCache``. Bytes: the packed
     codes and the positions the cache holds; the decoders are weights, not counted."""
     from model_adapters.caches.fsq_cache import FSQCache
-    from model_adapters.quant.fsq import FsqConfig
+    from model_adapters.experiments.fsq_eval import convert_or_load
     from model_adapters.quant.fsq_config import fsq_spec
-    from model_adapters.quant.fsq_convert import load_bottleneck
 
     if name not in ctx.bottlenecks:
         raise ValueError(f"method {name!r} needs a trained bottleneck: --bottleneck {name}=DIR "
                          f"(given for: {sorted(ctx.bottlenecks) or 'none'})")
-    converted = load_bottleneck(ctx.bottlenecks[name], ctx.model)
+    converted = convert_or_load(name, ctx.model, bottlenecks=ctx.bottlenecks, calibration=None)
     width, levels, tau = fsq_spec(converted.config)
-    wanted = FsqConfig.parse(name)
-    if (wanted.width, tuple(wanted.levels)) != (width, tuple(levels)):
-        raise ValueError(f"method {name!r}: the bottleneck at {ctx.bottlenecks[name]} is "
-                         f"w={width}, levels {sorted(set(levels))}")
     return Method(name, "fsq", lambda measure: FSQCache(converted),
                   lambda cache, tokens: cache.nbytes(), model=converted,
                   info={"width": width, "levels": sorted(set(levels)), "tau": tau,

@@ -23,8 +23,6 @@ model over the archived text.
 from __future__ import annotations
 
 import os
-import warnings
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +32,6 @@ from model_adapters.caches.code_rows import CodeRows
 from model_adapters.caches.codes_only import CodesOnlyCache
 from model_adapters.models import (
     ModelIdentity,
-    cache_kwarg,
-    check_identity,
     kv_shape,
     model_identity,
 )
@@ -46,158 +42,43 @@ from model_adapters.store.archive_io import (
     read_quantizer,
     require_fkvstore,
 )
+from model_adapters.store.fed_archive import TOKENS_STREAM, FedArchive, model_device, vocab_size
 from model_adapters.store.serving_streams import ChainedStream, file_key, resolve_parent
 
 __all__ = ["TOKENS_STREAM", "ServingArchive", "create", "fork", "resume"]
 
-TOKENS_STREAM = "tokens"
 _WINDOW = ("exact_head_keys", "exact_head_values", "exact_tail_keys", "exact_tail_values")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def _vocab_size(model) -> int:
-    return int(getattr(model, "config", model).vocab_size)
-
-
-def _model_device(model):
-    try:
-        return next(model.parameters()).device
-    except (AttributeError, StopIteration):
-        return torch.device("cpu")
-
-
-class ServingArchive:
+class ServingArchive(FedArchive):
     """A :class:`~model_adapters.caches.codes_only.CodesOnlyCache` (``.cache``) and the archive
     it writes.
 
     Build with :func:`create` or :func:`resume`; feed tokens through :meth:`forward` or
     :meth:`generate` so the token stream follows the cache. Use as a context manager;
-    :meth:`close` writes a checkpoint first when the archive is writable.
-
-    ``identity`` is the bound model's (:func:`~model_adapters.models.model_identity`, computed
-    once by :func:`create` / :func:`resume` / :func:`fork`); a model passed to :meth:`forward`
-    or :meth:`generate` is checked against it the first time it is seen, not on every call.
+    :meth:`close` writes a checkpoint first when the archive is writable (the feeding,
+    identity checks and search are :class:`~model_adapters.store.fed_archive.FedArchive`'s).
     """
 
     def __init__(
         self, ar, cache: CodesOnlyCache, model, *, identity: ModelIdentity, tokenizer=None,
         views=None, parents=(), allow_different_weights: bool = False,
     ):
-        self.archive = ar
-        self.cache = cache
-        self.tokenizer = tokenizer
-        self.identity = identity
-        self._allow_different_weights = allow_different_weights
-        self._checked_models = weakref.WeakSet([model])  # models already compared with identity
-        self.writable = bool(getattr(ar, "writable", True))
-        self.codes, self.tokens = views or (
+        codes, tokens = views or (
             ChainedStream(ar[CODES_STREAM]),
             ChainedStream(ar[TOKENS_STREAM]),
         )
-        self._parents = list(parents)  # read-only parent archives, closed with this one
-        self._index = None
-        self._broken = None  # why the cache no longer matches the token stream, if it does not
+        super().__init__(ar, cache, model, identity=identity, tokens=tokens, tokenizer=tokenizer,
+                         parents=parents, allow_different_weights=allow_different_weights)
+        self.codes = codes
         cache.archive_hooks.append(self)
-
-    def __enter__(self) -> ServingArchive:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        # an error is on its way out: do not hide it behind a failed checkpoint
-        try:
-            self.close()
-        except Exception as err:  # noqa: BLE001 - reported, the original error propagates
-            warnings.warn(f"{self.archive!r} closed without a checkpoint: {err}", stacklevel=2)
 
     def __repr__(self) -> str:
         return (
             f"ServingArchive({self.archive!r}, length={len(self.tokens)}, "
             f"archived={self.cache.archived_tokens})"
         )
-
-    # --- feeding the model --------------------------------------------------------------------
-    def _check_model(self, model) -> None:
-        """Refuse a model other than the bound one; each model object is hashed once."""
-        if model in self._checked_models:
-            return
-        other = model_identity(model)
-        if other.config != self.identity.config:
-            raise ValueError(
-                "this model's configuration differs from the one the archive was written for "
-                f"(config fingerprint {other.config[:12]}... vs {self.identity.config[:12]}...)"
-            )
-        check_identity(self.identity, other, what=f"{self.archive!r}",
-                       allow_different_weights=self._allow_different_weights)
-        self._checked_models.add(model)
-
-    def _check_feed(self, model, name: str, ids) -> None:
-        """Refuse a call before it touches the cache: read-only, broken, or bad ids."""
-        if not self.writable:
-            raise ValueError(
-                f"{self.archive!r} is open read-only: resume with mode='r+' to continue writing"
-            )
-        if self._broken:
-            raise ValueError(self._broken)
-        self._check_model(model)
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 \
-                or ids.shape[1] == 0:
-            shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise ValueError(f"{name} must be a (1, n) tensor with n >= 1, got {shape}")
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise ValueError(f"{name} must hold integer token ids, got {ids.dtype}")
-
-    def _feed(self, call):
-        """Run a model call on the cache. If it fails after changing some layers, the cache
-        no longer matches the token stream: this object then refuses further feeding and
-        checkpoints (the archive keeps its last checkpoint)."""
-        before = len(self.tokens)
-        try:
-            with torch.no_grad():
-                return call()
-        except BaseException:
-            if any(layer.length != before for layer in self.cache.layers):
-                self._broken = (
-                    "a model call failed after changing the cache, which no longer matches "
-                    f"the {before} recorded tokens: resume from the archive's last checkpoint"
-                )
-            raise
-
-    def _record(self, ids: np.ndarray) -> None:
-        self.tokens.extend(ids)
-        if self._index is not None:
-            self._index.extend(ids)
-
-    def forward(self, model, input_ids: torch.Tensor):
-        """Run ``model`` on new tokens ``(1, n)``, n >= 1, with the cache, recording them;
-        the model's output. Tokens are recorded only when the call succeeds."""
-        self._check_feed(model, "input_ids", input_ids)
-        out = self._feed(lambda: model(input_ids, **{cache_kwarg(model): self.cache}))
-        self._record(input_ids[0].cpu().numpy().astype(np.int64))
-        return out
-
-    def generate(self, model, new_ids: torch.Tensor, **kwargs) -> torch.Tensor:
-        """``model.generate`` continuing the archived text with ``new_ids`` ``(1, n)``, n >= 1.
-
-        Returns the full sequence ``(1, length + n + generated)``; every token the model has
-        consumed is recorded (the last generated token is not yet in the cache).
-        """
-        self._check_feed(model, "new_ids", new_ids)
-        context = torch.as_tensor(self.token_ids(), device=new_ids.device)[None]
-        ids = torch.cat([context, new_ids.to(context.dtype)], 1)
-        kwargs.setdefault("attention_mask", torch.ones_like(ids))
-        out = self._feed(lambda: model.generate(ids, **{cache_kwarg(model): self.cache},
-                                                **kwargs))
-        seq = out if isinstance(out, torch.Tensor) else out.sequences
-        consumed = self.cache.get_seq_length()
-        self._record(seq[0, len(self.tokens) : consumed].cpu().numpy().astype(np.int64))
-        return out
-
-    def token_ids(self) -> np.ndarray:
-        """Every token id in the cache, ``(length,)`` int64."""
-        return self.tokens.read()[:, 0]
 
     # --- persistence --------------------------------------------------------------------------
     def checkpoint(self) -> None:
@@ -232,22 +113,6 @@ class ServingArchive:
         attrs["serving_dtype"] = str(dtype).replace("torch.", "")
         self.archive.flush()
 
-    def close(self) -> None:
-        """Checkpoint (when writable and the cache still matches the token stream) and close
-        the archive."""
-        if getattr(self.archive, "closed", False):
-            return
-        try:
-            if self._broken:
-                warnings.warn(f"{self.archive!r} closed without a checkpoint: {self._broken}",
-                              stacklevel=2)
-            elif self.writable:
-                self.checkpoint()
-        finally:
-            self.archive.close()
-            for parent in self._parents:
-                parent.close()
-
     # --- rewinding (hooks called by CodesOnlyCache.crop) --------------------------------------
     def check_truncate(self, target: int, cache: CodesOnlyCache) -> None:
         if not self.writable:
@@ -265,28 +130,9 @@ class ServingArchive:
         self.codes.truncate(kept)
         if cache.rows is not None:
             cache.rows.emitted = kept
-        self.tokens.truncate(min(target, len(self.tokens)))
-        if self._index is not None:
-            self._index.truncate(len(self.tokens))
+        self._truncate_tokens(min(target, len(self.tokens)))
 
     # --- search and rehydration ---------------------------------------------------------------
-    def find(self, query, tokenizer=None) -> np.ndarray:
-        """Positions whose preceding tokens are ``query`` (token ids, or text to tokenize).
-
-        Returns sorted int64 positions of the last token of every occurrence. Text is tokenized
-        on its own, so a phrase that began with a space in the archived text needs that space.
-        """
-        if isinstance(query, str):
-            tok = tokenizer or self.tokenizer
-            if tok is None:
-                raise ValueError("a text query needs a tokenizer (pass tokenizer=...)")
-            query = tok.encode(query, add_special_tokens=False)
-        if self._index is None:
-            from fkvstore.index import SuffixIndex
-
-            self._index = SuffixIndex.build(self.tokens.codec, self.token_ids())
-        return self._index.search(np.asarray(query, dtype=np.int64))
-
     def rehydrate(self, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of past positions: archived ones decoded from the archive's codes (from
         the cache's codes for positions archived after the archive stopped taking rows, as in a
@@ -367,7 +213,7 @@ def create(
     identity = model_identity(model)
     ar, codes = open_for_writing(path, model, quantizer, sinks=sinks, recent=recent, mode=mode,
                                  identity=identity)
-    ar.create_stream(TOKENS_STREAM, alphabet_size=_vocab_size(model), width=1)
+    ar.create_stream(TOKENS_STREAM, alphabet_size=vocab_size(model), width=1)
     cache.rows = CodeRows(kv_shape(model).num_layers, sink=codes.extend)
     return ServingArchive(ar, cache, model, identity=identity, tokenizer=tokenizer)
 
@@ -499,7 +345,7 @@ def fork(
     ar.attrs["parent"] = relative
     ar.attrs["parent_tokens"] = len(parent.tokens)
     ar.attrs["parent_archived"] = cache.archived_tokens
-    own_tokens = ar.create_stream(TOKENS_STREAM, alphabet_size=_vocab_size(model), width=1)
+    own_tokens = ar.create_stream(TOKENS_STREAM, alphabet_size=vocab_size(model), width=1)
     views = (
         ChainedStream(own_codes, parent.codes, cache.archived_tokens),
         ChainedStream(own_tokens, parent.tokens, len(parent.tokens)),
@@ -548,8 +394,8 @@ def _rebuild(ar, model, quantizer, backend, codes_view, tokens, bind) -> CodesOn
             f"streams hold {have_codes} and {have_tokens}"
         )
     vocab = int(tokens.alphabet_size)
-    if vocab != _vocab_size(model):
-        raise ValueError(f"token stream alphabet {vocab} != model vocabulary {_vocab_size(model)}")
+    if vocab != vocab_size(model):
+        raise ValueError(f"token stream alphabet {vocab} != model vocabulary {vocab_size(model)}")
     cache = CodesOnlyCache(
         model,
         stored,
@@ -562,7 +408,7 @@ def _rebuild(ar, model, quantizer, backend, codes_view, tokens, bind) -> CodesOn
     )
     if length == 0:
         return cache
-    device = _model_device(model)
+    device = model_device(model)
     dtype = _DTYPES[str(attrs["serving_dtype"])]
     window = [
         torch.from_numpy(np.asarray(ar.get_array(n))).to(device=device, dtype=dtype)

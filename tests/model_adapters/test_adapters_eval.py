@@ -7,6 +7,7 @@ import json
 import pytest
 from adapters_fixtures import TOKENIZER_DIR, make_book, tiny_eval_args, transformers
 
+import fkvstore
 from model_adapters.experiments import eval as adapters_eval
 from model_adapters.experiments.text import (
     chapter_one_offset,
@@ -274,3 +275,41 @@ def test_default_threads_leave_half_the_cores():
     from model_adapters.experiments.eval import build_parser, default_threads
 
     assert build_parser().parse_args(["--model", "m"]).threads == default_threads() >= 1
+
+
+def test_cli_fsq_configs_convert_cache_and_archive(tiny_checkpoint, tmp_path, capsys):
+    """An fsq config is converted from the training text (cached by the model's identity),
+    scored through FSQCache, and its codes archived: bytes from the archive, the decoders apart."""
+    model_dir, book = tiny_checkpoint
+    out, books = tmp_path / "res.json", tmp_path / "conv"
+    args = tiny_eval_args(model_dir, book, out, ["fsq-w8-L16", "fsq-w4-L4-tau0"],
+                          "--codebook-dir", books, "--archive-dir", tmp_path / "ar")
+    assert adapters_eval.main(args) == 0
+    assert "| fsq-w8-L16 |" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    rows = {r["config"]: r for r in res["configs"]}
+    assert list(rows) == ["exact", "fsq-w8-L16", "fsq-w4-L4-tau0"]
+    r = rows["fsq-w8-L16"]
+    assert r["family"] == "fsq" and r["archived_tokens"] == 63 and r["window_bytes"] == 0
+    assert r["packed_code_bytes_per_token"] == 2 * 8 * 4 / 8  # 2 layers x 8 codes x 4 bits
+    with fkvstore.open(tmp_path / "ar" / r["archive"], "r") as ar:
+        assert len(ar["codes"]) == 63 and ar["codes"].width == 2 * 8
+        assert r["code_bytes_per_token"] == -(-63 // ar["codes"].span) * 16 * 16 / 63
+    assert r["compression_vs_fp16"] == res["fp16_bytes_per_token"] / r["code_bytes_per_token"]
+    assert r["ppl"] > 1 and r["ppl"] != rows["exact"]["ppl"]
+    assert r["decoder_weight_bytes_fp16"] == 2 * 2 * (8 * 64 + 64) * 2
+    assert len(list(books.glob("fsq-w8-L16-*"))) == 1  # the conversion is kept ...
+    assert adapters_eval.main(args) == 0  # ... and reused: the same scores
+    again = {r["config"]: r for r in json.loads(out.read_text())["configs"]}
+    assert again["fsq-w8-L16"]["ppl"] == r["ppl"]
+
+
+def test_cli_fsq_finetuned_config_needs_its_bottleneck(tiny_checkpoint, tmp_path, capsys):
+    model_dir, book = tiny_checkpoint
+    out = tmp_path / "res.json"
+    rc = adapters_eval.main(tiny_eval_args(model_dir, book, out, ["fsq-w8-L16-tau0.25"]))
+    assert rc == 2 and "--bottleneck fsq-w8-L16-tau0.25=DIR" in capsys.readouterr().err
+    rc = adapters_eval.main(tiny_eval_args(model_dir, book, out, ["fsq-w8-L16"],
+                                           "--bottleneck", "fsq-w8-L16=no-such-dir"))
+    assert rc == 2 and "must be fsq-wW-LL" in capsys.readouterr().err
+    assert not out.exists()
