@@ -50,6 +50,8 @@ class FsqArchive(FedArchive):
         length = self.cache.get_seq_length()
         if len(self.tokens) > length:  # cropped since the last call
             self._truncate_tokens(length)
+        if len(self.codes) > length:  # rows of cropped positions would be read as new ones
+            self.codes.truncate(length)
 
     def checkpoint(self) -> None:
         """Append the code rows not yet in the archive (or cut rows a crop removed), record the
@@ -65,9 +67,7 @@ class FsqArchive(FedArchive):
                 f"the cache holds {length} positions but {len(self.tokens)} tokens were "
                 "recorded: feed the model through forward()/generate() of this object"
             )
-        stored = min(len(self.codes), length)
-        if stored < len(self.codes):
-            self.codes.truncate(stored)
+        stored = len(self.codes)
         if length > stored:
             self.codes.extend(self._rows(stored, length))
         self.archive.attrs["serving_length"] = length

@@ -14,6 +14,7 @@ import fkvstore
 from model_adapters.caches.fsq_cache import FSQCache
 from model_adapters.models import cache_kwarg
 from model_adapters.quant.fsq_convert import convert_to_fsq
+from model_adapters.quant.fsq_model import attention_layers
 from model_adapters.store import fsq_archive
 
 VOCAB = 61
@@ -100,6 +101,15 @@ def test_crop_is_followed_by_the_streams(model, tmp_path):
     with fsq_archive.create(path, model) as ar:
         ar.forward(model, ids)
         ar.checkpoint()
+        ar.cache.crop(22)
+        other = _ids(4, seed=8)  # other tokens where the cropped ones were
+        ar.forward(model, other)
+        fresh = FSQCache(model)
+        _logits(model, torch.cat([ids[:, :22], other], 1), fresh)
+        k, _ = ar.rehydrate([21, 22, 25])
+        want, _ = ar.cache.decode(attention_layers(model)[1], fresh.layer_codes(1)[:, [21, 22, 25]],
+                                  torch.tensor([[21, 22, 25]]))
+        assert torch.equal(k[1], want[0])
         ar.cache.crop(22)
         ar.forward(model, ids[:, 22:26])
     with fsq_archive.resume(path, model) as ar:
