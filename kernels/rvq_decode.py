@@ -5,6 +5,9 @@ codes, and the one place that decides which implementation runs.
 - :func:`decode_attention`: the trusted per-step path over a :class:`~kernels.CodedCache`
   (validated once by its builder, :func:`kernels.validate_coded_cache`); nothing is checked
   per call.
+- :func:`static_decode_attention`: the same over a cache of preallocated buffers whose lengths
+  are device tensors, as one opaque operator (``torch.ops.fkv.coded_decode``) that
+  ``torch.compile`` traces without a graph break and a CUDA graph captures.
 - :func:`kernel_takes`: the ``"auto"`` decision, shared with ``model_adapters``.
 """
 
@@ -195,3 +198,46 @@ def triton_decode(problem: DecodeProblem, *, num_splits: int | None = None, num_
     from kernels import _atomic
 
     return _atomic.decode(problem, num_splits=num_splits, num_warps=num_warps)
+
+
+@torch.library.custom_op("fkv::coded_decode", mutates_args=())
+def _coded_decode_op(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
+                     key_codebooks: torch.Tensor, value_codebooks: torch.Tensor,
+                     sink_keys: torch.Tensor, sink_values: torch.Tensor,
+                     recent_keys: torch.Tensor, recent_values: torch.Tensor,
+                     sink_lengths: torch.Tensor, archived_lengths: torch.Tensor,
+                     recent_lengths: torch.Tensor, scale: float, backend: str) -> torch.Tensor:
+    cache = CodedCache(key_codes, value_codes, key_codebooks, value_codebooks, sink_keys,
+                       sink_values, recent_keys, recent_values, sink_lengths,
+                       archived_lengths, recent_lengths)
+    problem = DecodeProblem(query, cache, scale)
+    if backend == "triton":
+        return triton_decode(problem)
+    from kernels import reference
+
+    return reference.decode_masked(problem).to(query.dtype)
+
+
+@_coded_decode_op.register_fake
+def _(query, *args, **kwargs):
+    return torch.empty_like(query)
+
+
+def static_decode_attention(query: torch.Tensor, cache: CodedCache, *, scale: float,
+                            backend: str) -> torch.Tensor:
+    """Decode attention of ``query`` ``(batch, q_heads, head_dim)`` over a trusted ``cache``
+    whose three lengths are ``(batch,)`` int32 tensors on the query's device; returns
+    ``(batch, q_heads, head_dim)`` in the query's dtype.
+
+    ``backend`` is ``"triton"`` (the kernel; float16/bfloat16 on CUDA or under Triton's
+    interpreter) or ``"torch"`` (:func:`kernels.reference.decode_masked`: any float dtype, any
+    device, the whole capacity dequantized). Nothing is validated and nothing waits for the
+    device: a serving cache validates its buffers once and then calls this every step, inside
+    ``torch.compile`` (one operator, no graph break) and CUDA graphs."""
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    c = cache
+    return _coded_decode_op(query.contiguous(), c.key_codes, c.value_codes, c.key_codebooks,
+                            c.value_codebooks, c.sink_keys, c.sink_values, c.recent_keys,
+                            c.recent_values, c.sink_lengths, c.archived_lengths,
+                            c.recent_lengths, float(scale), backend)
