@@ -29,9 +29,9 @@ class CodesLayer(CacheLayerMixin):
     # such tensor, and a partial one (the exact window) would be read as the whole cache
     def _no_dense(self):
         raise NoDenseKeysError(
-            f"codes-only layer {self.layer_idx} holds no dense keys/values (most positions "
-            "are codes); call layer.dense() for every position's K and V (archived ones "
-            "reconstructed)")
+            f"codes-only layer {self.layer_idx} holds no dense keys/values "
+            f"({self.get_seq_length()} positions, most of them codes); call layer.dense() for "
+            "every position's K and V (archived ones reconstructed)")
 
     def _set_dense(self, value) -> None:
         if value is not None:  # CacheLayerMixin.__init__ sets None; nothing else may set them
