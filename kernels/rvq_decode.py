@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from kernels._plan import VARIANTS, choose_variant, supports_shape
+from kernels._plan import VARIANTS, choose_variant, problem_dims, supports_shape
 from kernels._validate import (
     ACTIVATION_DTYPES,
     CODE_DTYPE_LIMITS,
@@ -186,6 +186,21 @@ def triton_decode(problem: DecodeProblem, *, num_splits: int | None = None, num_
     one-hot kernel cannot hold (value histograms above its register budget) run the atomic one.
     """
     variant = DEFAULT_VARIANT if variant is None else variant
+    key = (problem_dims(problem), problem.cache.key_codes.shape[2], problem.query.device,
+           num_splits, num_warps, variant)
+    module = _VARIANT_MODULES.get(key)
+    if module is None:
+        module = _variant_module(problem, num_splits, num_warps, variant)
+        if len(_VARIANT_MODULES) >= 1024:
+            _VARIANT_MODULES.clear()
+        _VARIANT_MODULES[key] = module
+    return module.decode(problem, num_splits=num_splits, num_warps=num_warps)
+
+
+_VARIANT_MODULES: dict = {}  # the variant of each shape (decided once: decode steps repeat)
+
+
+def _variant_module(problem: DecodeProblem, num_splits, num_warps, variant: str):
     if variant not in (*VARIANTS, "auto"):
         raise ValueError(f"variant must be one of {(*VARIANTS, 'auto')}, got {variant!r}")
     if variant == "auto":
@@ -194,10 +209,10 @@ def triton_decode(problem: DecodeProblem, *, num_splits: int | None = None, num_
         from kernels import _onehot, _onehot_plan
 
         if _onehot_plan.supports(problem, num_splits, num_warps):
-            return _onehot.decode(problem, num_splits=num_splits, num_warps=num_warps)
+            return _onehot
     from kernels import _atomic
 
-    return _atomic.decode(problem, num_splits=num_splits, num_warps=num_warps)
+    return _atomic
 
 
 @torch.library.custom_op("fkv::coded_decode", mutates_args=())
@@ -210,12 +225,15 @@ def _coded_decode_op(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     cache = CodedCache(key_codes, value_codes, key_codebooks, value_codebooks, sink_keys,
                        sink_values, recent_keys, recent_values, sink_lengths,
                        archived_lengths, recent_lengths)
-    problem = DecodeProblem(query, cache, scale)
+    return _run_static(DecodeProblem(query, cache, scale), backend)
+
+
+def _run_static(problem: DecodeProblem, backend: str) -> torch.Tensor:
     if backend == "triton":
         return triton_decode(problem)
     from kernels import reference
 
-    return reference.decode_masked(problem).to(query.dtype)
+    return reference.decode_masked(problem).to(problem.query.dtype)
 
 
 @_coded_decode_op.register_fake
@@ -237,6 +255,8 @@ def static_decode_attention(query: torch.Tensor, cache: CodedCache, *, scale: fl
     if backend not in ("triton", "torch"):
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     c = cache
+    if not torch.compiler.is_compiling():  # eager: the operator's body, without the dispatcher
+        return _run_static(DecodeProblem(query.contiguous(), cache, float(scale)), backend)
     return _coded_decode_op(query.contiguous(), c.key_codes, c.value_codes, c.key_codebooks,
                             c.value_codebooks, c.sink_keys, c.sink_values, c.recent_keys,
                             c.recent_values, c.sink_lengths, c.archived_lengths,

@@ -32,6 +32,8 @@ archived positions) and the next eager call that learns the length (a prefill, `
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 import kernels
@@ -106,8 +108,9 @@ class StaticCodesLayer(CodesLayer):
         backend = self.backend
         if backend == "auto":
             backend = "triton" if kernels.kernel_takes(query, cache) else "torch"
-        if backend == "triton":
-            kernels.validate_coded_cache(query, cache, check_codes=False, check_lengths=False)
+        if backend == "triton":  # shapes, dtypes and devices (the lengths are all 0 yet)
+            full = replace(cache, sink_lengths=None, archived_lengths=None, recent_lengths=None)
+            kernels.validate_coded_cache(query, full, check_codes=False)
         self.kernel_backend = backend
 
     # --- transformers layer API -------------------------------------------------------------
