@@ -9,6 +9,7 @@ from adapters_fixtures import TINY_MODELS, torch
 from serving_fixtures import caches, model_pair, random_quantizer, step_logits
 
 from model_adapters.caches.code_rows import CodeRows
+from model_adapters.caches.codes_attention import LAYER_ATTR
 from model_adapters.caches.codes_only import CapacityError, CodesOnlyCache, use_codes_attention
 from model_adapters.models import cache_kwarg
 
@@ -170,3 +171,51 @@ def test_gpu_generate_compiles_with_cuda_graphs_and_matches_eager():
     assert backend == "triton"  # the kernel runs the decode steps
     assert eager_graphs == 0 and graphs >= 1  # generate compiled the decode step by itself
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_compiled_steps_past_the_capacity_are_reported_at_the_next_eager_call():
+    _, model = model_pair("gpt2")
+    q = random_quantizer(model)
+    kw = cache_kwarg(model)
+    cache = CodesOnlyCache(model, q, sinks=1, recent=2, capacity=8)
+    torch._dynamo.reset()
+    step = torch.compile(lambda ids: model(ids, **{kw: cache}).logits, fullgraph=True,
+                         backend="eager")
+    with torch.no_grad():
+        model(IDS[:, :6], **{kw: cache})
+        for t in range(6, 10):  # two steps past the capacity: nothing can raise in a graph
+            step(IDS[:, t : t + 1])
+    with pytest.raises(CapacityError, match="past its capacity 8"):
+        cache.get_seq_length()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_beam_search_and_reset_match_the_growing_cache(arch):
+    _, model = model_pair(arch)
+    q = random_quantizer(model)
+    kw = cache_kwarg(model)
+    out = {}
+    for name, extra in (("growing", {}), ("static", {"capacity": 40})):
+        cache = CodesOnlyCache(model, q, sinks=2, recent=3, **extra)
+        with torch.no_grad():
+            beams = model.generate(IDS[:, :10], max_new_tokens=8, num_beams=3, do_sample=False,
+                                   **{kw: cache})
+            cache.reset()
+            again = model.generate(IDS[:, :12], max_new_tokens=6, do_sample=False, **{kw: cache})
+        out[name] = (beams, again)
+    assert all(map(torch.equal, out["static"], out["growing"]))
+
+
+def test_a_deep_copy_continues_like_the_original():
+    import copy
+
+    _, model = model_pair("qwen3", torch.float64)
+    q = random_quantizer(model)
+    cache = CodesOnlyCache(model, q, sinks=2, recent=3, rewind=2, capacity=40)
+    step_logits(model, cache, IDS[:, :20], 12)
+    twin = copy.deepcopy(cache)
+    for mine, its in zip(twin.layers, cache.layers, strict=True):
+        assert mine.window_k.data_ptr() != its.window_k.data_ptr()
+        assert getattr(mine.window_k, LAYER_ATTR) is mine  # attention reads the copy's buffers
+    torch.testing.assert_close(step_logits(model, twin, IDS[:, 20:30], 1),
+                               step_logits(model, cache, IDS[:, 20:30], 1))
