@@ -1,20 +1,35 @@
-"""Decode speed and cache memory of the codes-only cache against DynamicCache (GPU).
+"""Decode speed of the codes-only cache against the dense caches a user would pick (GPU).
 
-For each model (the Qwen3 stand-in from ``--model-dir``, and a random-initialised Qwen3 with
-Qwen3-8B's attention shapes: hidden 4096, 32 query / 8 KV heads of 128, ``--big-layers`` layers)
-and each context length N, both caches are filled to N positions through ``Cache.update`` with
-random K/V (decode speed and bytes depend on shapes, not on values; codebooks are random too),
-then the model decodes ``--steps`` tokens on top of each, in the same process. The codes-only
-cache runs twice: quantizing each position as it leaves the recent window (``codes``), and in
-groups of ``--block`` (``grouped``). Reported: tokens/s, the bytes the cache holds, and the peak
-extra CUDA memory of one decode step.
+One model, a random-initialised Qwen3 with Qwen3-8B's attention shapes (hidden 4096, 32 query /
+8 KV heads of 128, ``--layers`` layers, bfloat16: speed depends on shapes, not on values), and
+every cache filled to the context synthetically (random K/V through each cache's own update;
+the codes-only cache quantizes them with random codebooks, 2+2 stages of 256). At each context
+and batch, in the same process, every path decodes ``--steps`` tokens:
 
-Writes ``bench/results/serving-decode.json`` and prints a table.
+- ``dynamic-sdpa``: ``DynamicCache``, transformers' SDPA with torch's default backend choice;
+- ``dynamic-flash``: the same with SDPA forced to the flash backend;
+- ``static-compiled``: ``StaticCache`` sized to the context, the forward compiled as
+  ``generate`` compiles it (inductor, ``mode="reduce-overhead"``: CUDA graphs);
+- ``codes-eager``: ``CodesOnlyCache(capacity=...)``, the trusted per-step path, eager;
+- ``codes-compiled``: the same cache, the forward compiled like ``static-compiled``.
+
+Compiled paths run only at ``--compiled-points`` (compiling is most of their cost here).
+Reported per path: tokens/s, wall time per step, host time per step (one step's Python call
+after the device went idle), GPU time per step (kernel time summed by the profiler), peak
+memory, cache bytes, and the roofline: weights read per step (every parameter but the input
+embedding) plus the cache bytes attention reads, over the copy bandwidth measured in the same
+run. Also: the eager call of the kernel against SDPA's at batch 1, ``generate`` tokens/s at
+``--generate-at``, and the largest context each cache holds in ``--budget-gib`` with the
+decode speed there.
+
+Writes ``bench/results/serving-decode.json`` (``--out``) after every point, prints tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,31 +39,29 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import machine, markdown_table, write_json  # noqa: E402
-from model_adapters.caches.codes_only import (  # noqa: E402
-    CodesOnlyCache,
-    dense_cache_bytes,
-    use_codes_attention,
-)
-from model_adapters.models import (
-    cache_kwarg,  # noqa: E402
-    kv_shape,  # noqa: E402
-)
+from model_adapters.caches.codes_only import CodesOnlyCache, use_codes_attention  # noqa: E402
+from model_adapters.models import cache_kwarg, kv_shape  # noqa: E402
 from model_adapters.quant.quantizer import KVQuantizer  # noqa: E402
 
+EAGER = ("dynamic-sdpa", "dynamic-flash", "codes-eager")
+COMPILED = ("static-compiled", "codes-compiled")
+SINKS, RECENT = 4, 32
 
-def big_qwen3(layers: int, device, dtype):
+
+def qwen3_8b_shapes(layers: int, device, dtype, hidden: int = 4096, heads=(32, 8),
+                    head_dim: int = 128, vocab: int = 151936):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=128, intermediate_size=12288, num_hidden_layers=layers,
-                      vocab_size=151936, max_position_embeddings=262144, bos_token_id=0,
-                      eos_token_id=1)
+    cfg = Qwen3Config(hidden_size=hidden, num_attention_heads=heads[0],
+                      num_key_value_heads=heads[1], head_dim=head_dim,
+                      intermediate_size=3 * hidden, num_hidden_layers=layers, vocab_size=vocab,
+                      max_position_embeddings=1 << 24, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3ForCausalLM(cfg).to(dtype).eval()
-    return model
+        return Qwen3ForCausalLM(cfg).to(dtype).eval()
 
 
-def random_quantizer(model, device, stages=2, k=256):
+def random_quantizer(model, device, stages=2, k=256) -> KVQuantizer:
     s = kv_shape(model)
     g = torch.Generator().manual_seed(0)
     books = [0.3 * torch.randn(s.num_layers, s.kv_heads, stages, k, s.head_dim, generator=g)
@@ -56,133 +69,499 @@ def random_quantizer(model, device, stages=2, k=256):
     return KVQuantizer(s, *books).to(device)
 
 
-def fill(cache, shape, n, device, dtype, chunk=8192):
-    """Fill a cache to ``n`` positions with random K/V through ``update``."""
-    g = torch.Generator(device=device).manual_seed(1)
-    codes_only = isinstance(cache, CodesOnlyCache)
+def random_kv(shape, batch, n, device, dtype, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(batch, shape.kv_heads, n, shape.head_dim, generator=g, device=device,
+                        dtype=dtype) for _ in range(2)]
+
+
+def fill(cache, shape, batch, n, device, dtype, chunk=8192):
+    """``n`` random positions per sequence into every layer, through the cache's own update
+    (StaticCache: written into its buffers, which every transformers 5.x reads the same way)."""
+    from transformers import StaticCache
+
     for a in range(0, n, chunk):
         m = min(chunk, n - a)
         for li in range(shape.num_layers):
-            k = torch.randn(1, shape.kv_heads, m, shape.head_dim, generator=g, device=device)
-            v = torch.randn(1, shape.kv_heads, m, shape.head_dim, generator=g, device=device)
-            cache.update(k.to(dtype), v.to(dtype), li)
-            if codes_only:
-                cache.layers[li].coded_cache()
+            k, v = random_kv(shape, batch, m, device, dtype, seed=a * 131 + li)
+            if isinstance(cache, StaticCache):
+                layer = cache.layers[li]
+                if not layer.is_initialized:
+                    try:
+                        layer.lazy_initialization(k[:, :, :1], v[:, :, :1])
+                    except TypeError:  # releases whose lazy_initialization takes keys only
+                        layer.lazy_initialization(k[:, :, :1])
+                layer.keys[:, :, a : a + m] = k
+                layer.values[:, :, a : a + m] = v
+            else:
+                cache.update(k, v, li)
+                if isinstance(cache, CodesOnlyCache):
+                    cache.layers[li].coded_cache()  # what attention would do: mark it read
+    if isinstance(cache, StaticCache):
+        for layer in cache.layers:
+            length = getattr(layer, "cumulative_length", None)
+            if isinstance(length, torch.Tensor):
+                length.fill_(n)
+            elif length is not None:
+                layer.cumulative_length = n
 
 
-@torch.no_grad()
-def decode(model, cache, steps, device, warmup=3):
-    kw = cache_kwarg(model)
-    cuda = torch.device(device).type == "cuda"
-    tok = torch.tensor([[5]], device=device)
-    for _ in range(warmup):  # the first call compiles the Triton kernel
-        tok = model(tok, **{kw: cache}).logits[:, -1:].argmax(-1)
-    if cuda:
+def sync() -> None:
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
+
+
+def compiled(fn, device):
+    """``fn`` compiled as ``generate`` compiles a forward (inductor, CUDA graphs); on the CPU
+    (a smoke run of this script) traced only."""
+    torch._dynamo.reset()
+    if torch.device(device).type == "cuda":
+        return torch.compile(fn, mode="reduce-overhead", fullgraph=False, dynamic=False)
+    return torch.compile(fn, backend="eager", dynamic=False)
+
+
+def flash_only(path: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if path == "dynamic-flash":
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+    return contextlib.nullcontext()
+
+
+def tensor_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+def cache_bytes(cache) -> int:
+    if isinstance(cache, CodesOnlyCache):
+        return cache.live_bytes()["total"]
+    return tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values)
+                        if t is not None)
+
+
+def read_bytes(path, cache, shape, batch, n, capacity) -> int:
+    """Cache bytes attention reads in one decode step (the roofline's cache term)."""
+    per_token = shape.num_layers * 2 * shape.kv_heads * shape.head_dim * 2  # bf16 K and V
+    if path.startswith("dynamic"):
+        return batch * n * per_token
+    if path == "static-compiled":
+        return batch * capacity * per_token  # SDPA reads the whole buffer (masked)
+    q = cache.quantizer
+    per_code = shape.num_layers * shape.kv_heads * (q.key_stages + q.value_stages)
+    books = 2 * (q.key_codebooks.numel() + q.value_codebooks.numel()) * 4  # attend + quantize
+    window = batch * (SINKS + RECENT) * per_token
+    return batch * max(0, n - SINKS - RECENT) * per_code + books + window
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a device-to-device copy (read + write), median of 10."""
+    x = torch.empty(1 << (31 if torch.device(device).type == "cuda" else 26), dtype=torch.uint8,
+                    device=device)
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(12):
+        sync()
+        t0 = time.perf_counter()
+        y.copy_(x)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 2 * x.numel() / statistics.median(times[2:])
+
+
+def weight_bytes(model) -> int:
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters()
+               if p.data_ptr() != embed.data_ptr())
+
+
+def gpu_ms_per_step(step, steps=3) -> float | None:
+    """Kernel time of ``steps`` steps summed by the profiler, per step (None if it saw none)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    total = 0.0
+    for e in prof.key_averages():
+        total += getattr(e, "self_device_time_total", None) or getattr(
+            e, "self_cuda_time_total", 0.0)
+    return total / steps / 1e3 if total else None
+
+
+def measure(step, steps, batch, profile_gpu=True) -> dict:
+    """Throughput, host time and GPU time of a warmed-up ``step`` (returns nothing it must
+    wait for)."""
+    cuda = torch.cuda.is_available()
+    sync()
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(steps):
-        tok = model(tok, **{kw: cache}).logits[:, -1:].argmax(-1)
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    return steps / seconds, (torch.cuda.max_memory_allocated() - base) if cuda else float("nan")
+        step()
+    sync()
+    wall = (time.perf_counter() - t0) / steps
+    host = []
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - t0)
+    out = {"tok_s": batch / wall, "step_ms": wall * 1e3,
+           "host_ms": statistics.median(host) * 1e3,
+           "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+    out["gpu_ms"] = gpu_ms_per_step(step) if profile_gpu else None
+    return out
 
 
-def run(name, model, contexts, steps, dtype, device, block):
-    from transformers import DynamicCache
+def make_cache(path, model, q, capacity):
+    from transformers import DynamicCache, StaticCache
 
-    shape = kv_shape(model)
-    q = random_quantizer(model, device)
+    if path.startswith("dynamic"):
+        return DynamicCache(config=model.config)
+    if path == "static-compiled":
+        return StaticCache(config=model.config, max_cache_len=capacity)
+    return CodesOnlyCache(model, q, sinks=SINKS, recent=RECENT, capacity=capacity)
+
+
+def set_attention(model, path):
+    if path.startswith("codes"):
+        use_codes_attention(model)
+    else:
+        model.set_attn_implementation("sdpa")
+
+
+def run_path(path, model, q, shape, batch, n, args, device, dtype, bw) -> dict:
+    extra = 4 + args.steps + 5 + 3 + 4  # warm-up, timed, host, profiled, slack
+    capacity = n + extra
+    set_attention(model, path)
+    empty_cache()
+    cache = make_cache(path, model, q, capacity)
+    fill(cache, shape, batch, n, device, dtype)
+    kw = cache_kwarg(model)
+    forward = model.forward
+    if path in COMPILED:
+        forward = compiled(model.forward, device)
+    tok = torch.full((batch, 1), 5, device=device)
+    state = {"tok": tok}
+
+    def step():
+        logits = forward(input_ids=state["tok"], **{kw: cache}).logits
+        state["tok"] = logits[:, -1:].argmax(-1)
+
+    row = {"path": path, "context": n, "batch": batch}
+    try:
+        with torch.no_grad(), flash_only(path):
+            t0 = time.perf_counter()
+            for _ in range(4):  # compile, CUDA graph recording, Triton's first launches
+                step()
+            sync()
+            row["warmup_s"] = time.perf_counter() - t0
+            row |= measure(step, args.steps, batch)
+    except torch.OutOfMemoryError:
+        row["error"] = "out of memory"
+    except Exception as exc:  # a failing path is reported, the others still run
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    if "step_ms" in row:
+        held = cache_bytes(cache)
+        reads = read_bytes(path, cache, shape, batch, n, capacity)
+        roof = (weight_bytes(model) + reads) / bw * 1e3
+        row |= {"cache_GiB": held / 2**30, "read_GiB": reads / 2**30, "roofline_ms": roof,
+                "of_roofline": roof / row["step_ms"]}
+    print(row, flush=True)
+    return row
+
+
+def empty_cache() -> None:
+    """Drop compiled graphs (their CUDA graph pools hold the last cache) and cached blocks."""
+    import gc
+
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def kernel_call_overhead(model, q, shape, device, dtype, contexts) -> list[dict]:
+    """Batch 1: host time of one eager call and GPU time (CUDA-graph replay) of the codes
+    kernel on the trusted path against SDPA over the dense cache (default and flash)."""
+    use_codes_attention(model)
     rows = []
     for n in contexts:
-        row = {"model": name, "context": n}
-        for label, make in (("dynamic", lambda: DynamicCache(config=model.config)),
-                            ("codes", lambda: CodesOnlyCache(model, q)),
-                            ("grouped", lambda: CodesOnlyCache(model, q, block=block))):
-            if torch.device(device).type == "cuda":
-                torch.cuda.empty_cache()
-            cache = make()
-            fill(cache, shape, n, device, dtype)
-            held = (dense_cache_bytes(cache) if label == "dynamic"
-                    else cache.live_bytes()["total"])
-            tps, peak = decode(model, cache, steps, device)
-            row |= {f"{label}_tok_s": tps, f"{label}_cache_MiB": held / 2**20,
-                    f"{label}_step_peak_MiB": peak / 2**20}
-            del cache
-        row["memory_ratio"] = row["dynamic_cache_MiB"] / row["codes_cache_MiB"]
-        row["speed_ratio"] = row["codes_tok_s"] / row["dynamic_tok_s"]
-        row["grouped_speed_ratio"] = row["grouped_tok_s"] / row["dynamic_tok_s"]
-        print(row, flush=True)
-        rows.append(row)
+        rows.append(_kernel_point(model, q, shape, device, dtype, n))
+        print(rows[-1], flush=True)
+        empty_cache()
     return rows
 
 
-def profile(args, device, dtype):
-    """Where a decode step spends its time, both caches (torch.profiler, CPU and CUDA)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-    from transformers import AutoModelForCausalLM, DynamicCache
+def _kernel_point(model, q, shape, device, dtype, n) -> dict:
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).to(device).eval()
-    model = use_codes_attention(model)
-    q = random_quantizer(model, device)
-    for label, cache in (("dynamic", DynamicCache(config=model.config)),
-                         ("codes", CodesOnlyCache(model, q))):
-        fill(cache, kv_shape(model), args.contexts[0], device, dtype)
-        decode(model, cache, 4, device)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        with torch_profile(activities=acts) as prof:
-            tps, _ = decode(model, cache, args.steps, device, warmup=0)
-        print(f"== {label}: {tps:.1f} tok/s")
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18))
+    import kernels
+
+    cache = CodesOnlyCache(model, q, sinks=SINKS, recent=RECENT, capacity=n + 8)
+    fill(cache, shape, 1, n, device, dtype)
+    layer = cache.layers[0]
+    coded = layer.coded_cache(mark_read=False)
+    query = torch.randn(1, model.config.num_attention_heads, shape.head_dim, device=device,
+                        dtype=dtype)
+    k, v = random_kv(shape, 1, n, device, dtype, seed=7)
+    q4 = query[:, :, None]
+
+    def flash():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return sdpa(q4, k, v, enable_gqa=True)
+
+    calls = {
+        "codes kernel": lambda: kernels.static_decode_attention(
+            query, coded, scale=0.088, backend=layer.kernel_backend),
+        "sdpa default": lambda: sdpa(q4, k, v, enable_gqa=True),
+        "sdpa flash": flash,
+    }
+    row = {"context": n, "codes backend": layer.kernel_backend}
+    for name, fn in calls.items():
+        for _ in range(5):
+            fn()
+        host = []
+        for _ in range(50):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - t0)
+        row[f"{name} host_us"] = statistics.median(host) * 1e6
+        try:
+            row[f"{name} gpu_us"] = triton.testing.do_bench_cudagraph(fn) * 1e3
+        except Exception as exc:  # noqa: BLE001 (reported, not fatal)
+            row[f"{name} gpu_us"] = f"{type(exc).__name__}"
+    row["host ratio (codes / best sdpa)"] = row["codes kernel host_us"] / min(
+        row["sdpa default host_us"], row["sdpa flash host_us"])
+    ref = kernels.static_decode_attention(query, coded, scale=0.088, backend="torch").float()
+    out = calls["codes kernel"]().float()
+    row["kernel vs masked reference (relative error)"] = ((out - ref).norm() / ref.norm()).item()
+    return row
+
+
+def generate_speed(path, model, q, shape, batch, n, device, dtype, new=(8, 40)) -> dict:
+    """Tokens/s of ``model.generate`` on a pre-filled cache (transformers compiles the decode
+    step of a compileable cache by itself): the difference between two runs of different
+    lengths, so compiling and the prefill cancel out."""
+    set_attention(model, path)
+    cache = make_cache(path, model, q, n + 2 * sum(new) + 8)
+    fill(cache, shape, batch, n, device, dtype)
+    kw = cache_kwarg(model)
+    ids = torch.randint(2, 1000, (batch, n + 1), device=device)
+    times = []
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for count in (new[0], *new):
+            sync()
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=count, min_new_tokens=count, do_sample=False,
+                                 **{kw: cache})
+            sync()
+            times.append(time.perf_counter() - t0)
+            ids = torch.cat([out, torch.randint(2, 1000, (batch, 1), device=device)], 1)
+    per_token = (times[2] - times[1]) / (new[1] - new[0])
+    row = {"path": path, "context": n, "batch": batch, "generate_tok_s": batch / per_token,
+           "compiled": bool(getattr(model, "_compiled_call", None))}
+    print(row, flush=True)
+    return row
+
+
+def budget(model, q, shape, args, device, dtype, bw) -> list[dict]:
+    """The most positions each cache holds in ``--budget-gib`` (batch ``--budget-batch``), and
+    the decode speed there (codes: compiled; dense: flash, eager). The codes-only cache is
+    filled with random codes written straight into its buffers (no quantization: the speed
+    depends on the shapes), the dense cache with random K/V."""
+    budget_bytes = int(args.budget_gib * 2**30)
+    b = args.budget_batch
+    dense_per_token = shape.num_layers * 2 * shape.kv_heads * shape.head_dim * 2
+    code_per_token = shape.num_layers * shape.kv_heads * (q.key_stages + q.value_stages)
+    fixed = 2 * (q.key_codebooks.numel() + q.value_codebooks.numel()) * 4 + \
+        b * (SINKS + RECENT + 32) * dense_per_token
+    dense_n = budget_bytes // (b * dense_per_token)
+    codes_n = (budget_bytes - fixed) // (b * code_per_token)
+    rows = [{"cache": "DynamicCache / StaticCache (bf16)", "batch": b, "context": dense_n,
+             "tokens_held": b * dense_n}]
+    rows.append({"cache": "codes-only (K2V2, 256)", "batch": b, "context": codes_n,
+                 "tokens_held": b * codes_n, "vs_dense": codes_n / dense_n})
+    steps = args.steps
+    for row, path, n in ((rows[0], "dynamic-flash", dense_n - 64), (rows[1], "codes-compiled",
+                                                                    codes_n - 64)):
+        set_attention(model, path)
+        empty_cache()
+        try:
+            if path == "codes-compiled":
+                cache = CodesOnlyCache(model, q, sinks=SINKS, recent=RECENT, capacity=n + 64)
+                _synthetic_codes(cache, shape, b, n, device, dtype)
+            else:
+                cache = make_cache(path, model, q, n + 64)
+                fill(cache, shape, b, n, device, dtype)
+            row["cache_GiB"] = cache_bytes(cache) / 2**30
+            kw = cache_kwarg(model)
+            forward = compiled(model.forward, device) if path in COMPILED else model.forward
+            state = {"tok": torch.full((b, 1), 5, device=device)}
+
+            def step(forward=forward, cache=cache, state=state, kw=kw):
+                state["tok"] = forward(input_ids=state["tok"], **{kw: cache}).logits[
+                    :, -1:].argmax(-1)
+
+            with torch.no_grad(), flash_only(path):
+                for _ in range(4):
+                    step()
+                row |= measure(step, steps, b, profile_gpu=False)
+            reads = read_bytes(path, cache, shape, b, n, n + 64)
+            row["roofline_ms"] = (weight_bytes(model) + reads) / bw * 1e3
+        except torch.OutOfMemoryError:
+            row["error"] = "out of memory"
+        except Exception as exc:  # noqa: BLE001 (reported, not fatal)
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        print(row, flush=True)
+    empty_cache()
+    return rows
+
+
+def _synthetic_codes(cache, shape, batch, n, device, dtype):
+    """Fill a capacity cache to ``n`` positions with random codes and exact K/V written into
+    its buffers (what its update would leave, with random contents)."""
+    sinks_v = random_kv(shape, batch, SINKS, device, dtype, seed=1)
+    window = random_kv(shape, batch, RECENT, device, dtype, seed=2)
+    for li, layer in enumerate(cache.layers):
+        layer.lazy_initialization(sinks_v[0])
+        layer.sink_k.copy_(sinks_v[0])
+        layer.sink_v.copy_(sinks_v[1])
+        layer.window_k[:, :, :RECENT] = window[0]
+        layer.window_v[:, :, :RECENT] = window[1]
+        g = torch.Generator(device=device).manual_seed(li)
+        for buf in (layer.key_codes, layer.value_codes):
+            buf.random_(0, 256, generator=g)
+        layer.length.fill_(n)
+        layer.host_length = n
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model-dir", help="the Qwen3 stand-in (skipped if absent)")
     parser.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768, 131072])
-    parser.add_argument("--big-layers", type=int, default=8,
-                        help="layers of the Qwen3-8B-shaped model (0: skip it)")
-    parser.add_argument("--steps", type=int, default=32,
-                        help="decode steps timed (a multiple of --block counts its groups fairly)")
-    parser.add_argument("--block", type=int, default=16,
-                        help="the 'grouped' codes-only cache quantizes this many positions at once")
-    parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a check)")
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--compiled-points", nargs="*", default=["32768:1", "131072:1",
+                                                                 "131072:8"],
+                        help="context:batch points where the compiled paths run")
+    parser.add_argument("--generate-at", nargs="*", default=["32768:1"],
+                        help="context:batch points where generate's own compilation is timed")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--budget-gib", type=float, default=16.0)
+    parser.add_argument("--budget-batch", type=int, default=8)
+    parser.add_argument("--skip", nargs="*", default=[],
+                        help="sections to leave out: kernel, grid, generate, budget")
     parser.add_argument("--out", default="serving-decode")
-    parser.add_argument("--profile", action="store_true",
-                        help="profile decode steps of both caches at the first context only")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="skip what is left (reported as skipped) after this many seconds")
+    parser.add_argument("--device", default="cuda",
+                        help="cuda (the measurement) or cpu (a smoke run with --small)")
+    parser.add_argument("--small", action="store_true",
+                        help="a small model (hidden 256, 4/2 heads of 64, vocabulary 1000)")
     args = parser.parse_args(argv)
-    device = args.device
-    dtype = torch.bfloat16
-    rows = []
-    if args.profile:
-        profile(args, device, dtype)
-        return
-    if args.model_dir:
-        from transformers import AutoModelForCausalLM
+    device, dtype = args.device, torch.bfloat16
+    start = time.perf_counter()
 
-        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).to(device)
-        rows += run("standin-qwen3", use_codes_attention(model.eval()), args.contexts, args.steps,
-                    dtype, device, args.block)
-        del model
-    if args.big_layers:
-        model = use_codes_attention(big_qwen3(args.big_layers, device, dtype))
-        rows += run(f"qwen3-8b-shapes-{args.big_layers}L", model, args.contexts, args.steps,
-                    dtype, device, args.block)
+    def late() -> bool:
+        return args.deadline_s is not None and time.perf_counter() - start > args.deadline_s
+
+    import transformers
+
+    size = dict(hidden=256, heads=(4, 2), head_dim=64, vocab=1000) if args.small else {}
+    model = qwen3_8b_shapes(args.layers, device, dtype, **size)
+    shape = kv_shape(model)
+    q = random_quantizer(model, device)
+    bw = copy_bandwidth(device)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    report = {"machine": machine(), "gpu": gpu, "args": vars(args),
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "copy_bandwidth_GBs": bw / 1e9, "weights_read_GB": weight_bytes(model) / 1e9,
+              "fill": "synthetic: random K/V through each cache's update (random codebooks)"}
+    print(report, flush=True)
+
+    def save():
+        write_json(args.out, report)
+
+    if "kernel" not in args.skip and device == "cuda":
+        report["kernel_call"] = kernel_call_overhead(model, q, shape, device, dtype,
+                                                     args.contexts)
+        save()
+    compiled_points = {tuple(map(int, p.split(":"))) for p in args.compiled_points}
+    grid = report.setdefault("rows", [])
+    if "grid" not in args.skip:
+        # the compiled points (the targets) first: a deadline skips the others
+        points = [(n, b) for b in args.batches for n in args.contexts]
+        points.sort(key=lambda p: p not in compiled_points)
+        for n, batch in points:
+            for path in EAGER + (COMPILED if (n, batch) in compiled_points else ()):
+                if late():
+                    grid.append({"path": path, "context": n, "batch": batch,
+                                 "error": "skipped (out of time)"})
+                    continue
+                grid.append(run_path(path, model, q, shape, batch, n, args, device, dtype, bw))
+                save()
+    if "budget" not in args.skip and not late():
+        report["budget"] = budget(model, q, shape, args, device, dtype, bw)
+        save()
+    if "generate" not in args.skip:
+        report["generate"] = []
+        for point in args.generate_at:
+            n, batch = map(int, point.split(":"))
+            for path in COMPILED:
+                if late():
+                    report["generate"].append({"path": path, "context": n, "batch": batch,
+                                               "error": "skipped (out of time)"})
+                    continue
+                try:
+                    report["generate"].append(generate_speed(path, model, q, shape, batch, n,
+                                                             device, dtype))
+                except Exception as exc:  # noqa: BLE001 (reported, not fatal)
+                    report["generate"].append({"path": path, "context": n, "batch": batch,
+                                               "error": f"{type(exc).__name__}: {exc}"[:300]})
+                save()
+    report["seconds"] = time.perf_counter() - start
+    print_tables(report)
+    print(f"wrote {write_json(args.out, report)}")
+
+
+def print_tables(report: dict) -> None:
+    rows = report.get("rows", [])
+    best = {}
+    for r in rows:
+        if not r["path"].startswith("codes") and "tok_s" in r:
+            key = (r["context"], r["batch"])
+            best[key] = max(best.get(key, 0.0), r["tok_s"])
+    for r in rows:
+        if "tok_s" in r and (r["context"], r["batch"]) in best:
+            r["vs_best_dense"] = r["tok_s"] / best[(r["context"], r["batch"])]
     print(markdown_table(rows, [
-        ("model", "model"), ("context", "context"), ("dynamic_tok_s", "DynamicCache tok/s"),
-        ("codes_tok_s", "codes-only tok/s"), ("grouped_tok_s", f"block={args.block} tok/s"),
-        ("speed_ratio", "codes / dynamic"),
-        ("grouped_speed_ratio", f"block={args.block} / dynamic"),
-        ("dynamic_cache_MiB", "DynamicCache MiB"),
-        ("codes_cache_MiB", "codes-only MiB"), ("memory_ratio", "memory ratio"),
-        ("codes_step_peak_MiB", "codes step peak MiB")]))
-    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else None
-    path = write_json(args.out, {"machine": machine(), "gpu": gpu,
-                                 "args": vars(args), "rows": rows})
-    print(f"wrote {path}")
+        ("context", "context"), ("batch", "batch"), ("path", "path"), ("tok_s", "tok/s"),
+        ("vs_best_dense", "vs best dense"), ("step_ms", "ms/step"), ("gpu_ms", "GPU ms/step"),
+        ("host_ms", "host ms/step"), ("roofline_ms", "roofline ms"),
+        ("of_roofline", "roofline / measured"), ("peak_GiB", "peak GiB"),
+        ("cache_GiB", "cache GiB"), ("error", "error")]))
+    if report.get("kernel_call"):
+        cols = [("context", "context")] + [(k, k) for k in report["kernel_call"][0]
+                                            if k != "context"]
+        print(markdown_table(report["kernel_call"], cols))
+    for name in ("generate", "budget"):
+        if report.get(name):
+            keys = list(dict.fromkeys(k for r in report[name] for k in r))
+            print(markdown_table(report[name], [(k, k) for k in keys]))
 
 
 if __name__ == "__main__":

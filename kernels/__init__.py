@@ -6,8 +6,9 @@ Public names:
   recents, every argument validated;
 - :class:`CodedCache`, :func:`validate_coded_cache`, :func:`decode_attention`: the same over a
   cache validated once where it is built, for callers that run one step after another (the
-  serving cache of ``model_adapters``); :func:`kernel_takes` is the ``backend="auto"``
-  decision both paths share;
+  serving cache of ``model_adapters``); :func:`static_decode_attention`, the same over
+  preallocated buffers with device lengths, one operator for ``torch.compile`` and CUDA graphs;
+  :func:`kernel_takes` is the ``backend="auto"`` decision both paths share;
 - :func:`reference_decode_attention`, :func:`dequantize_rvq`: the plain-torch reference;
 - :func:`fsq_decode_attention`: the same over a cache of packed FSQ codes (one row per token,
   shared by the kv heads; keys reconstructed on the tensor cores), with :func:`fsq_pack` /
@@ -38,6 +39,7 @@ __all__ = [
     "reference_decode_attention",
     "reference_fsq_decode_attention",
     "rvq_decode_attention",
+    "static_decode_attention",
     "triton_available",
     "validate_coded_cache",
     "validate_fsq_args",
@@ -60,6 +62,7 @@ _WHERE = {
     "kernel_takes": "kernels.rvq_decode",
     "reference_decode_attention": "kernels.reference",
     "rvq_decode_attention": "kernels.rvq_decode",
+    "static_decode_attention": "kernels.rvq_decode",
     "triton_available": "kernels.rvq_decode",
     "validate_coded_cache": "kernels._validate",
 }

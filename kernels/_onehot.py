@@ -35,6 +35,8 @@ on the H200 (docs/kernels.md).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -51,6 +53,7 @@ from kernels._common import (
 from kernels._onehot_plan import (
     MAX_REGISTERS,
     PREFETCH_STEPS,
+    Plan,
     choose_num_splits,
     default_block_c,
     group_chunks,
@@ -377,23 +380,51 @@ def _identity(size: int, device: torch.device) -> torch.Tensor:
     return eye
 
 
-def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
-           num_stages: int = 1, block_n: int | None = None, hi_bits: int | None = None,
-           block_c: int | None = None, prefetch: int | None = None,
-           centroid_major: bool | None = None) -> torch.Tensor:
-    """Run the four kernels on a validated problem; ``(batch, q_heads, head_dim)``.
+class _Launch(NamedTuple):
+    """Everything about one decode call that depends only on the problem's shapes, device and
+    tuning: block sizes, split layout, grids and the offsets of the scratch buffer."""
 
-    ``num_stages`` (software pipelining depth of the split kernel; 1, none, was fastest on the
-    H200), ``block_n`` (positions per step, a power of two >= 16), ``hi_bits`` (see
-    :class:`Plan`), ``block_c`` (centroids per program of the score table and of the value
-    merge, a power of two >= 16; default :func:`_block_c`), ``prefetch`` (blocks ahead whose
-    codes are requested into L2; 0 for none, default ``PREFETCH_STEPS`` on a GPU) and
-    ``centroid_major`` (the score table's layout, see :class:`Plan`) override the defaults,
-    for tuning.
-    """
-    p = problem
-    (batch, q_heads, head_dim, kv_heads, group, key_stages, key_codebook, value_stages,
-     value_codebook) = problem_dims(p)
+    plan: Plan
+    block_c: int
+    split_len: int
+    num_splits: int
+    chunks: int
+    block_d: int
+    bhg: int
+    pieces: int
+    table_blocks: int
+    offsets: tuple[int, ...]  # tab, smax, hist, ml_arch, o_part, ml_part, end (float32)
+    parts: int
+    k_parts: int
+    block_s: int
+    block_p: int
+    prefetch: int
+    compile_options: dict
+
+
+_LAUNCHES: dict = {}
+
+
+def _launch_for(p: DecodeProblem, num_splits, num_warps, block_n, hi_bits, block_c, prefetch,
+                centroid_major) -> _Launch:
+    """The launch description of ``p`` (computed once per shape, device and tuning: a decode
+    step repeats the same shapes, so its host work is the kernel launches)."""
+    dims = problem_dims(p)
+    key = (dims, p.cache.key_codes.shape[2], p.query.device, num_splits, num_warps, block_n,
+           hi_bits, block_c, prefetch, centroid_major)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        if len(_LAUNCHES) >= 1024:  # a process that sees ever new shapes
+            _LAUNCHES.clear()
+        launch = _LAUNCHES[key] = _make_launch(p, dims, num_splits, num_warps, block_n, hi_bits,
+                                               block_c, prefetch, centroid_major)
+    return launch
+
+
+def _make_launch(p, dims, num_splits, num_warps, block_n, hi_bits, block_c, prefetch,
+                 centroid_major) -> _Launch:
+    (batch, q_heads, head_dim, kv_heads, _, key_stages, key_codebook, value_stages,
+     value_codebook) = dims
     for name, value in (("block_n", block_n), ("block_c", block_c)):
         if value is not None and (value < 16 or value & (value - 1)):
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
@@ -413,66 +444,97 @@ def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: 
     if num_splits is None:
         num_splits = choose_num_splits(p, num_warps)
     check_num_splits(num_splits)
-    capacity = p.cache.key_codes.shape[2]
-    block_n = plan.block_n
-    split_len, num_splits = split_layout(capacity, num_splits, block_n)
+    split_len, num_splits = split_layout(p.cache.key_codes.shape[2], num_splits, plan.block_n)
     chunks = group_chunks(p, plan)
-    device = p.query.device
-    block_d = pow2(head_dim, 16)
-    qk_scale = p.scale * LOG2E
-    programs = num_splits * batch * kv_heads * chunks
-
     bhg = batch * kv_heads * chunks
+    programs = num_splits * bhg
     pieces = value_stages * triton.cdiv(value_codebook, block_c)
     table_blocks = triton.cdiv(key_codebook, block_c)
-    tab = torch.empty(bhg * plan.table_floats(key_stages), dtype=torch.float32, device=device)
-    smax = torch.empty(bhg * key_stages * table_blocks * plan.block_g, dtype=torch.float32,
-                       device=device)
-    hist = torch.empty(programs * plan.hist_floats, dtype=torch.float32, device=device)
-    ml_arch = torch.empty(programs * 2 * plan.block_g, dtype=torch.float32, device=device)
     parts = pieces + 1  # the last part holds the exact tokens
-    o_part = torch.empty(batch, q_heads, parts, head_dim, dtype=torch.float32, device=device)
-    ml_part = torch.empty(batch, q_heads, parts, 2, dtype=torch.float32, device=device)
-    kc, vc = p.cache.key_codes, p.cache.value_codes
-    if capacity == 0:  # no archived slot at all: give the launcher real (never read) memory
+    sizes = (bhg * plan.table_floats(key_stages), bhg * key_stages * table_blocks * plan.block_g,
+             programs * plan.hist_floats, programs * 2 * plan.block_g,
+             batch * q_heads * parts * head_dim, batch * q_heads * parts * 2)
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    return _Launch(
+        plan, block_c, split_len, num_splits, chunks, pow2(head_dim, 16), bhg, pieces,
+        table_blocks, tuple(offsets), parts,
+        position_parts(num_warps, plan.value_stages_p, plan.block_n),
+        max(1, min(16, 2048 // (plan.block_g * block_c))), min(32, pow2(parts)), prefetch,
+        {"maxnreg": MAX_REGISTERS} if nvidia else {})
+
+
+def decode(problem: DecodeProblem, *, num_splits: int | None = None, num_warps: int = 4,
+           num_stages: int = 1, block_n: int | None = None, hi_bits: int | None = None,
+           block_c: int | None = None, prefetch: int | None = None,
+           centroid_major: bool | None = None) -> torch.Tensor:
+    """Run the four kernels on a validated problem; ``(batch, q_heads, head_dim)``.
+
+    ``num_stages`` (software pipelining depth of the split kernel; 1, none, was fastest on the
+    H200), ``block_n`` (positions per step, a power of two >= 16), ``hi_bits`` (see
+    :class:`Plan`), ``block_c`` (centroids per program of the score table and of the value
+    merge, a power of two >= 16; default :func:`_block_c`), ``prefetch`` (blocks ahead whose
+    codes are requested into L2; 0 for none, default ``PREFETCH_STEPS`` on a GPU) and
+    ``centroid_major`` (the score table's layout, see :class:`Plan`) override the defaults,
+    for tuning. Host work per call: one scratch allocation, the output and four launches
+    (the rest is computed once per shape, :func:`_launch_for`).
+    """
+    p = problem
+    L = _launch_for(p, num_splits, num_warps, block_n, hi_bits, block_c, prefetch,
+                    centroid_major)
+    plan = L.plan
+    query, c = p.query, p.cache
+    batch, q_heads, head_dim = query.shape
+    kv_heads, key_stages, key_codebook = c.key_codebooks.shape[:3]
+    value_codebook = c.value_codebooks.shape[2]
+    device = query.device
+    qk_scale = p.scale * LOG2E
+    scratch = torch.empty(L.offsets[-1], dtype=torch.float32, device=device)
+    tab, smax, hist, ml_arch, o_flat, ml_flat = (
+        scratch[a:b] for a, b in zip(L.offsets[:-1], L.offsets[1:], strict=True))
+    o_part = o_flat.view(batch, q_heads, L.parts, head_dim)
+    ml_part = ml_flat.view(batch, q_heads, L.parts, 2)
+    kc, vc = c.key_codes, c.value_codes
+    if kc.shape[2] == 0:  # no archived slot at all: give the launcher real (never read) memory
         kc = kc.new_zeros(batch, kv_heads, 1, key_stages)
-        vc = vc.new_zeros(batch, kv_heads, 1, value_stages)
-    c = p.cache
+        vc = vc.new_zeros(batch, kv_heads, 1, c.value_codebooks.shape[1])
     sk, sv, rk, rv = (launchable(t) for t in (c.sink_keys, c.sink_values, c.recent_keys,
                                                 c.recent_values))
-    kcb, vcb = p.cache.key_codebooks, p.cache.value_codebooks
-    heads = dict(BLOCK_G=plan.block_g, BLOCK_M=max(16, plan.block_g), BLOCK_D=block_d)
-    _table_kernel[(bhg * key_stages * table_blocks,)](
-        p.query, kcb, tab, smax, qk_scale, p.query.stride(0), p.query.stride(1),
-        *kcb.stride()[:3], kv_heads, group, chunks, head_dim, key_codebook, table_blocks,
-        KEY_STAGES=key_stages, KEY_CODEBOOK_P=plan.key_codebook_p, BLOCK_C=block_c,
+    kcb, vcb = c.key_codebooks, c.value_codebooks
+    group = q_heads // kv_heads
+    heads = dict(BLOCK_G=plan.block_g, BLOCK_M=max(16, plan.block_g), BLOCK_D=L.block_d)
+    _table_kernel[(L.bhg * key_stages * L.table_blocks,)](
+        query, kcb, tab, smax, qk_scale, query.stride(0), query.stride(1),
+        *kcb.stride()[:3], kv_heads, group, L.chunks, head_dim, key_codebook, L.table_blocks,
+        KEY_STAGES=key_stages, KEY_CODEBOOK_P=plan.key_codebook_p, BLOCK_C=L.block_c,
         TABLE_IEEE=kcb.dtype == torch.float32, CENTROID_MAJOR=plan.centroid_major, **heads,
         num_warps=num_warps)
-    compile_options = {"maxnreg": MAX_REGISTERS} if nvidia else {}
-    _split_kernel[(num_splits + 1, bhg)](
-        p.query, kc, vc, p.cache.archived_lengths,
-        sk, sv, rk, rv, p.cache.sink_lengths, p.cache.recent_lengths,
+    _split_kernel[(L.num_splits + 1, L.bhg)](
+        query, kc, vc, c.archived_lengths,
+        sk, sv, rk, rv, c.sink_lengths, c.recent_lengths,
         tab, smax, hist, ml_arch, _identity(plan.eye, device), o_part, ml_part, qk_scale,
-        p.query.stride(0), p.query.stride(1),
+        query.stride(0), query.stride(1),
         *kc.stride(), *vc.stride(),
         *sk.stride()[:3], *sv.stride()[:3], *rk.stride()[:3], *rv.stride()[:3],
         *o_part.stride()[:3], *ml_part.stride()[:3],
-        kv_heads, group, chunks, split_len, num_splits, pieces, head_dim, table_blocks,
-        KEY_STAGES=key_stages, VALUE_STAGES=value_stages,
+        kv_heads, group, L.chunks, L.split_len, L.num_splits, L.pieces, head_dim,
+        L.table_blocks,
+        KEY_STAGES=key_stages, VALUE_STAGES=c.value_codebooks.shape[1],
         VALUE_STAGES_P=plan.value_stages_p, KEY_CODEBOOK_P=plan.key_codebook_p,
-        HI=plan.hi, LO=plan.lo, LO_BITS=plan.lo_bits, BLOCK_N=block_n, BLOCK_E=16,
-        EYE=plan.eye, PREFETCH=prefetch, CENTROID_MAJOR=plan.centroid_major,
-        K_PARTS=position_parts(num_warps, plan.value_stages_p, block_n), **heads,
-        num_warps=num_warps, num_stages=num_stages, **compile_options)
-    _value_kernel[(bhg, pieces)](
-        vcb, hist, ml_arch, p.cache.archived_lengths, o_part, ml_part, *vcb.stride()[:3],
+        HI=plan.hi, LO=plan.lo, LO_BITS=plan.lo_bits, BLOCK_N=plan.block_n, BLOCK_E=16,
+        EYE=plan.eye, PREFETCH=L.prefetch, CENTROID_MAJOR=plan.centroid_major,
+        K_PARTS=L.k_parts, **heads,
+        num_warps=num_warps, num_stages=num_stages, **L.compile_options)
+    _value_kernel[(L.bhg, L.pieces)](
+        vcb, hist, ml_arch, c.archived_lengths, o_part, ml_part, *vcb.stride()[:3],
         *o_part.stride()[:3], *ml_part.stride()[:3],
-        kv_heads, group, chunks, split_len, num_splits, head_dim, value_codebook,
-        VALUE_STAGES_P=plan.value_stages_p, CODEBOOK_P=plan.codebook_p, BLOCK_C=block_c,
-        BLOCK_S=max(1, min(16, 2048 // (plan.block_g * block_c))), **heads, num_warps=num_warps)
-    out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=device)
+        kv_heads, group, L.chunks, L.split_len, L.num_splits, head_dim, value_codebook,
+        VALUE_STAGES_P=plan.value_stages_p, CODEBOOK_P=plan.codebook_p, BLOCK_C=L.block_c,
+        BLOCK_S=L.block_s, **heads, num_warps=num_warps)
+    out = torch.empty(batch, q_heads, head_dim, dtype=query.dtype, device=device)
     _combine_kernel[(batch * q_heads,)](
         o_part, ml_part, out, *o_part.stride()[:3], *ml_part.stride()[:3],
-        out.stride(0), out.stride(1), q_heads, parts, head_dim,
-        BLOCK_P=min(32, pow2(parts)), BLOCK_D=block_d, num_warps=num_warps)
+        out.stride(0), out.stride(1), q_heads, L.parts, head_dim,
+        BLOCK_P=L.block_p, BLOCK_D=L.block_d, num_warps=num_warps)
     return out

@@ -89,3 +89,29 @@ def reference_decode_attention(query, key_codes, value_codes, key_codebooks, val
     problem = validate_decode_args(query, key_codes, value_codes, key_codebooks,
                                    value_codebooks, **cache)
     return decode(problem).to(out_dtype or query.dtype)
+
+
+def decode_masked(problem: DecodeProblem) -> torch.Tensor:
+    """:func:`decode` without host synchronisation: every segment is attended at its full
+    size with the positions past its length masked out, so the lengths stay on the device and
+    the call can be traced by ``torch.compile`` and captured in a CUDA graph.
+
+    Computed in float32, or float64 for a float64 query (the CPU oracle of the serving cache);
+    returns ``(batch, q_heads, head_dim)`` in that dtype. A sequence with nothing cached gives
+    NaN (as :func:`decode` does)."""
+    p, c = problem, problem.cache
+    dtype = torch.promote_types(p.query.dtype, torch.float32)
+    keys = dequantize_rvq(c.key_codes, c.key_codebooks, check_codes=False).to(dtype)
+    values = dequantize_rvq(c.value_codes, c.value_codebooks, check_codes=False).to(dtype)
+    k = torch.cat([c.sink_keys.to(dtype), keys, c.recent_keys.to(dtype)], 2)
+    v = torch.cat([c.sink_values.to(dtype), values, c.recent_values.to(dtype)], 2)
+    visible = torch.cat([
+        torch.arange(t.shape[2], device=k.device)[None, :] < n.to(k.device)[:, None]
+        for t, n in ((c.sink_keys, c.sink_lengths), (c.key_codes, c.archived_lengths),
+                     (c.recent_keys, c.recent_lengths))], 1)  # (batch, positions)
+    group = p.q_heads // p.kv_heads
+    q = p.query.to(dtype).reshape(p.batch, p.kv_heads, group, p.head_dim)
+    scores = torch.einsum("bhgd,bhnd->bhgn", q, k) * p.scale
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgn,bhnd->bhgd", torch.softmax(scores, -1), v)
+    return out.reshape(p.batch, p.q_heads, p.head_dim)

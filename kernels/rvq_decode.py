@@ -5,6 +5,9 @@ codes, and the one place that decides which implementation runs.
 - :func:`decode_attention`: the trusted per-step path over a :class:`~kernels.CodedCache`
   (validated once by its builder, :func:`kernels.validate_coded_cache`); nothing is checked
   per call.
+- :func:`static_decode_attention`: the same over a cache of preallocated buffers whose lengths
+  are device tensors, as one opaque operator (``torch.ops.fkv.coded_decode``) that
+  ``torch.compile`` traces without a graph break and a CUDA graph captures.
 - :func:`kernel_takes`: the ``"auto"`` decision, shared with ``model_adapters``.
 """
 
@@ -14,7 +17,7 @@ import functools
 
 import torch
 
-from kernels._plan import VARIANTS, choose_variant, supports_shape
+from kernels._plan import VARIANTS, choose_variant, problem_dims, supports_shape
 from kernels._validate import (
     ACTIVATION_DTYPES,
     CODE_DTYPE_LIMITS,
@@ -183,6 +186,21 @@ def triton_decode(problem: DecodeProblem, *, num_splits: int | None = None, num_
     one-hot kernel cannot hold (value histograms above its register budget) run the atomic one.
     """
     variant = DEFAULT_VARIANT if variant is None else variant
+    key = (problem_dims(problem), problem.cache.key_codes.shape[2], problem.query.device,
+           num_splits, num_warps, variant)
+    module = _VARIANT_MODULES.get(key)
+    if module is None:
+        module = _variant_module(problem, num_splits, num_warps, variant)
+        if len(_VARIANT_MODULES) >= 1024:
+            _VARIANT_MODULES.clear()
+        _VARIANT_MODULES[key] = module
+    return module.decode(problem, num_splits=num_splits, num_warps=num_warps)
+
+
+_VARIANT_MODULES: dict = {}  # the variant of each shape (decided once: decode steps repeat)
+
+
+def _variant_module(problem: DecodeProblem, num_splits, num_warps, variant: str):
     if variant not in (*VARIANTS, "auto"):
         raise ValueError(f"variant must be one of {(*VARIANTS, 'auto')}, got {variant!r}")
     if variant == "auto":
@@ -191,7 +209,55 @@ def triton_decode(problem: DecodeProblem, *, num_splits: int | None = None, num_
         from kernels import _onehot, _onehot_plan
 
         if _onehot_plan.supports(problem, num_splits, num_warps):
-            return _onehot.decode(problem, num_splits=num_splits, num_warps=num_warps)
+            return _onehot
     from kernels import _atomic
 
-    return _atomic.decode(problem, num_splits=num_splits, num_warps=num_warps)
+    return _atomic
+
+
+@torch.library.custom_op("fkv::coded_decode", mutates_args=())
+def _coded_decode_op(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
+                     key_codebooks: torch.Tensor, value_codebooks: torch.Tensor,
+                     sink_keys: torch.Tensor, sink_values: torch.Tensor,
+                     recent_keys: torch.Tensor, recent_values: torch.Tensor,
+                     sink_lengths: torch.Tensor, archived_lengths: torch.Tensor,
+                     recent_lengths: torch.Tensor, scale: float, backend: str) -> torch.Tensor:
+    cache = CodedCache(key_codes, value_codes, key_codebooks, value_codebooks, sink_keys,
+                       sink_values, recent_keys, recent_values, sink_lengths,
+                       archived_lengths, recent_lengths)
+    return _run_static(DecodeProblem(query, cache, scale), backend)
+
+
+def _run_static(problem: DecodeProblem, backend: str) -> torch.Tensor:
+    if backend == "triton":
+        return triton_decode(problem)
+    from kernels import reference
+
+    return reference.decode_masked(problem).to(problem.query.dtype)
+
+
+@_coded_decode_op.register_fake
+def _(query, *args, **kwargs):
+    return torch.empty_like(query)
+
+
+def static_decode_attention(query: torch.Tensor, cache: CodedCache, *, scale: float,
+                            backend: str) -> torch.Tensor:
+    """Decode attention of ``query`` ``(batch, q_heads, head_dim)`` over a trusted ``cache``
+    whose three lengths are ``(batch,)`` int32 tensors on the query's device; returns
+    ``(batch, q_heads, head_dim)`` in the query's dtype.
+
+    ``backend`` is ``"triton"`` (the kernel; float16/bfloat16 on CUDA or under Triton's
+    interpreter) or ``"torch"`` (:func:`kernels.reference.decode_masked`: any float dtype, any
+    device, the whole capacity dequantized). Nothing is validated and nothing waits for the
+    device: a serving cache validates its buffers once and then calls this every step, inside
+    ``torch.compile`` (one operator, no graph break) and CUDA graphs."""
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    c = cache
+    if not torch.compiler.is_compiling():  # eager: the operator's body, without the dispatcher
+        return _run_static(DecodeProblem(query.contiguous(), cache, float(scale)), backend)
+    return _coded_decode_op(query.contiguous(), c.key_codes, c.value_codes, c.key_codebooks,
+                            c.value_codebooks, c.sink_keys, c.sink_values, c.recent_keys,
+                            c.recent_values, c.sink_lengths, c.archived_lengths,
+                            c.recent_lengths, float(scale), backend)

@@ -44,6 +44,7 @@ from kernels import CODE_DTYPE_LIMITS, CodedCache
 
 __all__ = [
     "CODES_ATTENTION",
+    "chunk_attention_forward",
     "LAYER_ATTR",
     "Transit",
     "codes_attention_forward",
@@ -256,6 +257,9 @@ def codes_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    attend = getattr(layer, "attend", None)
+    if attend is not None:  # a static-shape layer (static_codes.py) answers for itself
+        return attend(module, query, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     # layers written before chunk invariance (no take_transit, no pads) keep working as before
     take_transit = getattr(layer, "take_transit", None)
     transit = take_transit() if take_transit is not None else None

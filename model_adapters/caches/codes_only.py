@@ -22,9 +22,10 @@ on the shorter prefix, wherever the crop point falls.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from kernels import BACKENDS, CodedCache, validate_coded_cache
+from model_adapters._checks import count
 from model_adapters.caches.codes_attention import (
     CODES_ATTENTION,  # noqa: F401 (named in the docstrings; importable from here as before)
     LAYER_ATTR,
@@ -34,7 +35,9 @@ from model_adapters.caches.codes_attention import (
     unread_error,
     use_codes_attention,
 )
+from model_adapters.caches.codes_layer import CodesLayer, NoDenseKeysError
 from model_adapters.caches.sharing import deepcopy_sharing
+from model_adapters.caches.static_codes import CapacityError, StaticCodesLayer
 from model_adapters.caches.window import (
     DEFAULT_REWIND,
     archive_end,
@@ -46,11 +49,14 @@ from model_adapters.models import KVShape, kv_shape
 from model_adapters.quant.quantizer import KVQuantizer
 from model_adapters.quant.rvq import check_codes, decode
 
-__all__ = ["CodesOnlyCache", "CodesOnlyLayer", "NoDenseKeysError", "use_codes_attention"]
-
-
-class NoDenseKeysError(RuntimeError):
-    """A codes-only layer's ``keys``/``values`` were read: it holds no dense K/V tensor."""
+__all__ = [
+    "CapacityError",
+    "CodesOnlyCache",
+    "CodesOnlyLayer",
+    "NoDenseKeysError",
+    "StaticCodesLayer",
+    "use_codes_attention",
+]
 
 
 def _grow(buf: torch.Tensor, used: int, extra: int) -> torch.Tensor:
@@ -64,7 +70,7 @@ def _grow(buf: torch.Tensor, used: int, extra: int) -> torch.Tensor:
     return out
 
 
-class CodesOnlyLayer(CacheLayerMixin):
+class CodesOnlyLayer(CodesLayer):
     """One decoder layer: exact sinks, codes for archived positions, exact recent tail.
 
     Positions ``[0, sinks)`` are in ``head``; ``[sinks, archived_end)`` are codes;
@@ -73,29 +79,13 @@ class CodesOnlyLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    is_sliding = False
+    WINDOW_TENSORS = ("head_k", "head_v", "tail_k", "tail_v")
 
     @property
     def is_croppable(self) -> bool:
         """Codes handed to a rows collector cannot be taken back (those in an attached archive
         can): generate must not plan on crops then."""
         return self.cache.rows is None or bool(self.cache.archive_hooks)
-
-    # transformers' DynamicLayer keeps every position in ``keys``/``values``; this layer has no
-    # such tensor, and a partial one (the exact tail) would be read as the whole cache
-    def _no_dense(self):
-        raise NoDenseKeysError(
-            f"codes-only layer {self.layer_idx} holds no dense keys/values ({self.length} "
-            "positions, most of them codes); call layer.dense() for every position's K and V "
-            "(archived ones reconstructed)"
-        )
-
-    def _set_dense(self, value) -> None:
-        if value is not None:  # CacheLayerMixin.__init__ sets None; nothing else may set them
-            raise NoDenseKeysError(f"codes-only layer {self.layer_idx} takes no dense keys/values")
-
-    keys = property(_no_dense, _set_dense)
-    values = property(_no_dense, _set_dense)
 
     def __init__(self, layer_idx: int, cache: CodesOnlyCache):
         super().__init__()
@@ -109,10 +99,6 @@ class CodesOnlyLayer(CacheLayerMixin):
         self.length = 0
         self.archived_end = cache.sinks
         self.tail_start = cache.sinks
-
-    @property
-    def backend(self) -> str:
-        return self.cache.backend
 
     # --- transformers layer API -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states=None) -> None:
@@ -203,12 +189,6 @@ class CodesOnlyLayer(CacheLayerMixin):
             self.tail_k = self.tail_k[:, :, cut:].clone()
             self.tail_v = self.tail_v[:, :, cut:].clone()
             self.tail_start = keep_from
-
-    def take_transit(self) -> Transit | None:
-        """This forward's transit (None if no position left the window inside the chunk),
-        handed over once: the attention function calls this."""
-        transit, self.transit = self.transit, None
-        return transit
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         # older releases pass cache_position (one entry per query token) instead of a length
@@ -336,9 +316,6 @@ class CodesOnlyLayer(CacheLayerMixin):
         self.length = length
         self._trim_tail()
 
-    def crop(self, tokens_to_remove: int) -> None:
-        self.cache.crop(tokens_to_remove)
-
     def reset(self) -> None:
         self.is_initialized = False
         self.transit = self.pads = self.pad_tensor = None
@@ -370,22 +347,6 @@ class CodesOnlyLayer(CacheLayerMixin):
         order = torch.as_tensor(indices).tolist() if self.pads is not None else None
         self._map_batch(lambda t: t[indices], order)
 
-    def offload(self):
-        raise NotImplementedError("the codes-only cache does not offload (it is small already)")
-
-    prefetch = offload
-
-    # --- memory -------------------------------------------------------------------------------
-    def tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors this layer holds, by kind (``window``: exact K/V, ``codes``)."""
-        if not self.is_initialized:
-            return {"window": [], "codes": []}
-        return {
-            "window": [self.head_k, self.head_v, self.tail_k, self.tail_v],
-            "codes": [self.key_codes, self.value_codes],
-        }
-
-
 class CodesOnlyCache(Cache):
     """A transformers ``Cache`` keeping archived positions only as residual-VQ codes.
 
@@ -407,6 +368,13 @@ class CodesOnlyCache(Cache):
             archive_end`), so prefill, chunks and crops agree with token-by-token decoding.
         rows: collector receiving one row of codes per archived token
             (:class:`~model_adapters.caches.code_rows.CodeRows`; batch 1 only).
+        capacity: the most positions the cache will hold, or None (grow as needed). With a
+            capacity every buffer is allocated once at that size and the length lives on the
+            device (:class:`~model_adapters.caches.static_codes.StaticCodesLayer`): a decode
+            step quantizes on the device and never waits for it, ``torch.compile`` traces it
+            without a graph break, and transformers' ``generate`` compiles the decode steps
+            with CUDA graphs on CUDA by itself (``is_compileable``). Needs ``block=1``, no
+            ``rows`` and unpadded batches; past the capacity, :class:`CapacityError`.
         backend: the path of float16/bfloat16 decode steps: ``"triton"``, the Triton kernel of
             :func:`kernels.decode_attention` (CUDA tensors, or Triton's CPU interpreter);
             ``"auto"``, that kernel where :func:`kernels.kernel_takes` says one runs the step;
@@ -430,6 +398,7 @@ class CodesOnlyCache(Cache):
         rows=None,
         backend: str = "auto",
         block: int = 1,
+        capacity: int | None = None,
     ):
         shape: KVShape = kv_shape(model_or_config)
         check_window(sinks=sinks, recent=recent, rewind=rewind, block=block)
@@ -445,6 +414,13 @@ class CodesOnlyCache(Cache):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         require_codes_attention(model_or_config, "codes-only cache")
+        if capacity is not None:
+            count(capacity, "capacity", low=1)
+            if block != 1 or rows is not None:
+                raise ValueError(
+                    f"a codes-only cache with a capacity ({capacity}) needs block=1 and no rows "
+                    f"collector (got block={block}, rows={type(rows).__name__}); build it "
+                    "without capacity for those")
         if rows is not None and rows.num_layers != shape.num_layers:
             raise ValueError(
                 f"rows collector has {rows.num_layers} layers, model has {shape.num_layers}"
@@ -454,10 +430,14 @@ class CodesOnlyCache(Cache):
         self.sinks, self.recent, self.rewind, self.block = sinks, recent, rewind, block
         self.rows = rows
         self.backend = backend
+        self.capacity = capacity
+        config = getattr(model_or_config, "config", model_or_config)
+        self.q_heads = getattr(config, "num_attention_heads", shape.kv_heads)
         self.archive_hooks: list = []
         self._on_device: dict = {}
         self.unread_layer: int | None = None
-        super().__init__(layers=[CodesOnlyLayer(i, self) for i in range(shape.num_layers)])
+        layer_class = CodesOnlyLayer if capacity is None else StaticCodesLayer
+        super().__init__(layers=[layer_class(i, self) for i in range(shape.num_layers)])
 
     def __deepcopy__(self, memo: dict) -> CodesOnlyCache:
         """A copy with its own codes and exact K/V that shares the quantizer and its device
@@ -469,7 +449,8 @@ class CodesOnlyCache(Cache):
             self.rows.check_batch(key_states.shape[0])
         if self.unread_layer is not None:
             raise unread_error(self.unread_layer, "codes-only cache")
-        if layer_idx == 0 and self.get_seq_length() == 0:
+        # traced steps (capacity caches only) never start a sequence: prefill runs eagerly
+        if layer_idx == 0 and not torch.compiler.is_compiling() and self.get_seq_length() == 0:
             self._start_sequence(key_states, kwargs)
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         self.unread_layer = layer_idx

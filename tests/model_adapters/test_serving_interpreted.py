@@ -57,3 +57,19 @@ def test_triton_decode_matches_the_lookup_path(monkeypatch):
     assert len(validated) == model.config.num_hidden_layers < len(calls)
     want, got = want.float(), got.float()
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def test_capacity_cache_decodes_through_the_kernel():
+    """The static buffers as the kernel reads them: newest-first window, codes with a scratch
+    slot, lengths on the device."""
+    model = use_codes_attention(TINY_MODELS["qwen3"]().to(torch.bfloat16))
+    q = random_quantizer(model)
+    ids = torch.randint(2, 100, (2, 20), generator=torch.Generator().manual_seed(6))
+    window = dict(sinks=2, recent=4, rewind=3, capacity=24)
+    caches = {b: CodesOnlyCache(model, q, backend=b, **window) for b in ("torch", "triton")}
+    want = step_logits(model, caches["torch"], ids, 15)
+    got = step_logits(model, caches["triton"], ids, 15)
+    assert caches["triton"].layers[0].kernel_backend == "triton"
+    assert caches["torch"].layers[0].kernel_backend == "torch"
+    want, got = want.float(), got.float()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
