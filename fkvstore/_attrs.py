@@ -45,6 +45,9 @@ class Attrs(MutableMapping):
 
     def __setitem__(self, key: str, value) -> None:
         key = self._check_key(key)
+        if isinstance(value, str) and "\0" in value:
+            raise ValueError(f"attribute {key!r}: HDF5 strings cannot hold a NUL character "
+                             f"({value!r}); store bytes or an array instead")
         with self._session.structural():
             self._check()  # never seal damage in
             self._group().attrs[key] = value

@@ -7,7 +7,7 @@ from __future__ import annotations
 import h5py
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import fkvstore
@@ -81,6 +81,7 @@ VALUES = st.one_of(
 
 
 @settings(max_examples=25, deadline=None)
+@example(changes=[("a", 1), ("b", "x\0y"), ("a", None)])
 @given(changes=st.lists(st.tuples(st.sampled_from(["a", "b", "c"]),
                                   st.one_of(st.none(), VALUES)), max_size=6))
 def test_any_sequence_of_changes_keeps_the_checksums_valid(tmp_path_factory, changes):
@@ -92,6 +93,9 @@ def test_any_sequence_of_changes_keeps_the_checksums_valid(tmp_path_factory, cha
                 if name in model:
                     del ar.attrs[name]
                     del model[name]
+            elif isinstance(value, str) and "\0" in value:
+                with pytest.raises(ValueError, match=f"attribute '{name}'.*NUL"):
+                    ar.attrs[name] = value  # refused, nothing written
             else:
                 ar.attrs[name] = value
                 model[name] = value
