@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory with its tokenizer")
     p.add_argument("--books", required=True,
-                   help="directory with books-gpt2-train.u16.xz and books-gpt2-val.u16.xz")
+                   help="directory with books-gpt2-val.u16.xz (items) and, for RVQ configs, "
+                   "books-gpt2-train.u16.xz (codebooks)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--items", type=int, default=100, help="items per task and length")
     p.add_argument("--tasks", nargs="+", default=None,
@@ -91,7 +92,8 @@ def _validate(args):
             raise ValueError(f"--lengths {n} is too short for an item (at least 128)")
     if not Path(args.model).is_dir():
         raise ValueError(f"--model {args.model!r} is not a directory")
-    for split in ("train", "val"):
+    rvq = any(method_family(name) == "rvq" for name in args.config)
+    for split in ("train", "val") if rvq else ("val",):  # training books fit RVQ codebooks
         f = Path(args.books) / f"books-gpt2-{split}.u16.xz"
         if not f.is_file():
             raise ValueError(f"--books {args.books!r} lacks {f.name}")
@@ -162,7 +164,8 @@ def run(args, log=print) -> dict:
         raise ValueError(f"--lengths {max(args.lengths)} exceeds the model's "
                          f"{max_positions(model.config)} positions")
     val = load_token_array(Path(args.books) / "books-gpt2-val.u16.xz")
-    train = load_token_array(Path(args.books) / "books-gpt2-train.u16.xz")
+    train_file = Path(args.books) / "books-gpt2-train.u16.xz"
+    train = load_token_array(train_file) if train_file.is_file() else None
     _, words = retrieval_keys(tokenizer)
     tmp = None
     if args.codebook_dir is None:
