@@ -244,8 +244,18 @@ def test_cli_rejects_bad_input_before_work(tiny_run, capsys, args, message):
 
 
 def test_cli_rejects_missing_books(tiny_run, tmp_path, capsys):
-    model_dir, _, _ = tiny_run
+    model_dir, books, _ = tiny_run
     assert cli.main(["--model", str(model_dir), "--books", str(tmp_path)]) == 2
+    assert "lacks books-gpt2-train.u16.xz" in capsys.readouterr().err
+    # the training books fit RVQ codebooks: without an RVQ config only the held-out ones count
+    (tmp_path / "books-gpt2-val.u16.xz").write_bytes((books / "books-gpt2-val.u16.xz").read_bytes())
+    out = tmp_path / "exact.json"
+    assert cli.main(["--model", str(model_dir), "--books", str(tmp_path), "--lengths", "160",
+                     "--items", "1", "--tasks", "single", "--repro-items", "0", "--config",
+                     "exact", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["methods"][0]["tasks"]["single"]["160"]["items"] == 1
+    assert cli.main(["--model", str(model_dir), "--books", str(tmp_path), "--config",
+                     "perhead-k16-s1"]) == 2
     assert "lacks books-gpt2-train.u16.xz" in capsys.readouterr().err
 
 
