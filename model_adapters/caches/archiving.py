@@ -37,6 +37,7 @@ from model_adapters.caches.sharing import deepcopy_sharing
 from model_adapters.caches.window import (
     DEFAULT_REWIND,
     archive_end,
+    archived_per_sequence,
     check_window,
     crop_target,
     shortest_crop,
@@ -180,6 +181,15 @@ class ArchivingLayer(DynamicLayer):
         self.exact_k = torch.cat([self.exact_k[..., drop:, :], k[..., skip:, :]], -2)
         self.exact_v = torch.cat([self.exact_v[..., drop:, :], v[..., skip:, :]], -2)
         self.exact_from = first
+
+    def archived_counts(self) -> list[int]:
+        """Archived positions of each sequence (``batch`` ints)."""
+        if not self.is_initialized or self.quantizer is None:
+            return [0] * (self.keys.shape[0] if self.is_initialized else 0)
+        if self.pads is not None and self.seq_ends:
+            return [max(0, e - p - self.sinks)
+                    for e, p in zip(self.seq_ends, self.pads, strict=True)]
+        return [max(0, self.archived_until - self.sinks)] * self.keys.shape[0]
 
     def _track_error(self, side: int, x: torch.Tensor, recon: torch.Tensor) -> None:
         x64 = x.detach().double().reshape(-1, x.shape[-1])
@@ -398,10 +408,16 @@ class ArchivingCache(Cache):
 
     @property
     def archived_tokens(self) -> int:
-        """Positions whose K/V are reconstructions (the same in every layer after a step)."""
-        return min(
-            (layer.archived_until - min(layer.archived_until, self.sinks)) for layer in self.layers
-        )
+        """Positions whose K/V are reconstructions, in the sequence with the most (every
+        sequence of an unpadded batch has as many; :meth:`archived_per_sequence` has each
+        one's count)."""
+        return max(self.archived_per_sequence(), default=0)
+
+    def archived_per_sequence(self) -> list[int]:
+        """Positions of each sequence whose K/V are reconstructions (``batch`` ints; in a
+        left-padded batch counted in the sequence's own tokens, pads never archived; the same
+        in every layer after a step). Empty before the first update."""
+        return archived_per_sequence(self.layers)
 
     def reconstruction_nmse(self) -> dict[str, float | None]:
         """Squared reconstruction error of the archived keys and values, each over their total
