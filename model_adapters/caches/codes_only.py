@@ -447,6 +447,11 @@ class CodesOnlyCache(Cache):
         copies (codebooks, look-up tables)."""
         return deepcopy_sharing(self, memo, [self.quantizer, *self._on_device.values()])
 
+    def __getstate__(self) -> dict:
+        """Pickled without the codebooks' device copies (made again on first use); the
+        quantizer pickles once per pickle and loads shared (:class:`KVQuantizer`)."""
+        return {**self.__dict__, "_on_device": {}}
+
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self.rows is not None:
             self.rows.check_batch(key_states.shape[0])

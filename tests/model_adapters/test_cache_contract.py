@@ -4,6 +4,8 @@ copies that share the codebooks."""
 from __future__ import annotations
 
 import copy
+import gc
+import pickle
 
 import pytest
 from adapters_fixtures import torch
@@ -13,6 +15,7 @@ from model_adapters.caches.archiving import ArchivingCache
 from model_adapters.caches.code_rows import CodeRows
 from model_adapters.caches.codes_only import CodesOnlyCache, NoDenseKeysError
 from model_adapters.models import cache_kwarg
+from model_adapters.quant import quantizer as quantizer_module
 from model_adapters.quant.rvq import decode
 
 IDS = torch.randint(2, 100, (2, 30), generator=torch.Generator().manual_seed(3))
@@ -123,3 +126,52 @@ def test_codes_from_outside_are_checked_where_they_enter():
     assert not layer.is_initialized
     with pytest.raises(ValueError, match=r"codes must lie in \[0, 16\)"):
         decode(bad, cache.quantizer.key_codebooks[0])  # untrusted callers keep the check
+
+
+def cache_of(kind, q):
+    ref, model = model_pair("qwen3", torch.float64)
+    if kind == "archiving":
+        return ref, ArchivingCache(ref, q, sinks=2, recent=5)
+    return model, CodesOnlyCache(model, q, sinks=2, recent=5)
+
+
+@pytest.mark.parametrize("kind", ["archiving", "codes_only"])
+def test_pickles_hold_the_codebooks_once_and_load_shared(kind):
+    q = random_quantizer(model_pair("qwen3")[0], k=256)  # codebooks large beside the K/V
+    model, cache = cache_of(kind, q)
+    step_logits(model, cache, IDS[:, :20], 12)
+    books = q.key_codebooks.nbytes + q.value_codebooks.nbytes
+    one = len(pickle.dumps(cache))
+    assert books < one < 1.5 * books  # codebooks once, not the encoder's tables (as large)
+    # two caches in one pickle: the second adds its own K/V and codes, not the codebooks
+    assert len(pickle.dumps([cache, copy.deepcopy(cache)])) - one <= one - books
+    # copies unpickled from separate pickles are on the live quantizer's storage
+    a, b = (pickle.loads(pickle.dumps(c)) for c in (cache, copy.deepcopy(cache)))
+    assert a.quantizer is b.quantizer is q
+    if kind == "archiving":
+        assert all(layer.quantizer is q for c in (a, b) for layer in c.layers)
+    want = step_logits(model, cache, IDS[:, 20:], 1)
+    torch.testing.assert_close(step_logits(model, a, IDS[:, 20:], 1), want, rtol=0, atol=0)
+
+
+def test_pickles_loaded_without_the_original_share_one_rebuilt_quantizer():
+    model, cache = cache_of("codes_only", random_quantizer(model_pair("qwen3")[0], seed=7))
+    step_logits(model, cache, IDS[:, :20], 12)
+    want = step_logits(model, copy.deepcopy(cache), IDS[:, 20:], 1)
+    data = pickle.dumps(cache)
+    key = cache.quantizer.content_key()
+    del cache
+    gc.collect()
+    assert key not in quantizer_module._LIVE  # nothing left of the original
+    a, b = pickle.loads(data), pickle.loads(data)
+    assert a.quantizer is b.quantizer and a.quantizer.content_key() == key
+    assert a.quantizer.key_codebooks.data_ptr() == b.quantizer.key_codebooks.data_ptr()
+    torch.testing.assert_close(step_logits(model, a, IDS[:, 20:], 1), want, rtol=0, atol=0)
+
+
+def test_a_deep_copy_of_a_quantizer_alone_is_its_own():
+    q = random_quantizer(model_pair("gpt2")[0])
+    c = copy.deepcopy(q)
+    assert c is not q and c.key_codebooks.data_ptr() != q.key_codebooks.data_ptr()
+    assert c.content_key() == q.content_key()
+    torch.testing.assert_close(c.value_codebooks, q.value_codebooks, rtol=0, atol=0)
