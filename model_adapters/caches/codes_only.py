@@ -480,6 +480,13 @@ class CodesOnlyCache(Cache):
             else:
                 layer.start_padded(pads, key_states.device)
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every sequence ``repeats`` times (``num_return_sequences``, beams); with a
+        rows collector (batch 1) refused for ``repeats > 1`` before any layer changes."""
+        if self.rows is not None:
+            self.rows.check_batch(repeats)
+        super().batch_repeat_interleave(repeats)
+
     def reset(self) -> None:
         """Empty every layer; refused once codes went to a collector or an archive."""
         if self.archive_hooks or (self.rows is not None and self.rows.emitted):

@@ -74,6 +74,30 @@ def test_archiving_rows_refuse_a_batch_before_any_layer_changes(arch):
     assert lengths(exact) == [8, 8]
 
 
+def test_codes_only_rows_refuse_a_batch_before_any_layer_changes():
+    _, model = model_pair("gpt2")
+    kw = cache_kwarg(model)
+
+    def new():
+        return CodesOnlyCache(model, random_quantizer(model), sinks=1, recent=2, rows=CodeRows(2))
+
+    cache = new()
+    with pytest.raises(ValueError, match="batch size 1"), torch.no_grad():
+        model(IDS[:, :8], **{kw: cache})
+    assert lengths(cache) == [0, 0]
+    with torch.no_grad():
+        model(IDS[:1, :8], **{kw: cache})
+    with pytest.raises(ValueError, match="got batch 3"):
+        cache.batch_repeat_interleave(3)  # num_return_sequences after a prefill
+    assert lengths(cache) == [8, 8] and cache.layers[0].tail_k.shape[0] == 1
+    for settings in (dict(num_beams=2), dict(num_return_sequences=2, do_sample=True)):
+        fresh = new()
+        with pytest.raises(ValueError, match="batch size 1"), torch.no_grad():
+            model.generate(IDS[:1, :8], max_new_tokens=3, pad_token_id=0, **settings,
+                           **{kw: fresh})
+        assert fresh.rows.emitted == 0 and lengths(fresh) == [0, 0]
+
+
 @pytest.mark.parametrize("kind", ["archiving", "codes_only"])
 def test_copies_share_the_codebooks_and_compute_the_same(kind):
     ref, model = model_pair("qwen3", torch.float64)
@@ -97,22 +121,40 @@ def test_copies_share_the_codebooks_and_compute_the_same(kind):
     torch.testing.assert_close(got_b, want, rtol=0, atol=0)
 
 
-def test_a_decode_chunk_compiles_without_graph_breaks_from_our_code():
-    # the range check of rvq.decode read codes back to the host: 20 graph breaks per chunk
-    _, model = model_pair("qwen3")
-    cache = CodesOnlyCache(model, random_quantizer(model), sinks=2, recent=4)
+@pytest.mark.parametrize("kind", ["archiving", "codes_only"])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("n", [1, 4])
+def test_decode_steps_and_chunks_compile_as_one_graph(kind, padded, n):
+    # fullgraph=True fails on any graph break (a host read such as .item() or int(tensor) in
+    # the caches, the attention function or rvq.decode: once 20 per 4-token chunk); the
+    # chunk archives positions inside it (a transit) and the compiled step computes as eager
+    ref, model = model_pair("qwen3")
+    q = random_quantizer(model)
+    if kind == "archiving":
+        model, cache = ref, ArchivingCache(ref, q, sinks=2, recent=4, block=2)
+    else:
+        cache = CodesOnlyCache(model, q, sinks=2, recent=4, block=2)
     kw = cache_kwarg(model)
+    mask = torch.ones(2, 20 + n, dtype=torch.long)
+    mask[0, : 5 if padded else 0] = 0
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+
+    def step(ids, cache):
+        end = cache.get_seq_length() + ids.shape[1]
+        return model(ids, attention_mask=mask[:, :end], position_ids=positions[:, end - n : end],
+                     **{kw: cache}).logits
+
     with torch.no_grad():
-        model(IDS[:1, :20], **{kw: cache})
-        assert cache.archived_tokens == 14
-        explained = torch._dynamo.explain(lambda x: model(x, **{kw: cache}).logits)(IDS[:1, 20:24])
-    ours = [
-        str(b.reason).splitlines()[0]
-        for b in explained.break_reasons
-        if any("model_adapters" in f.filename or "kernels" in f.filename for f in b.user_stack)
-    ]
-    assert ours == []
-    assert cache.get_seq_length() == 24
+        model(IDS[:, :20], attention_mask=mask[:, :20], position_ids=positions[:, :20],
+              **{kw: cache})
+        assert cache.archived_per_sequence() == ([8, 14] if padded else [14, 14])
+        eager = copy.deepcopy(cache)
+        want = step(IDS[:, 20 : 20 + n], eager)
+        torch._dynamo.reset()
+        got = torch.compile(step, fullgraph=True, backend="eager")(IDS[:, 20 : 20 + n], cache)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert cache.get_seq_length() == eager.get_seq_length() == 20 + n
+    assert cache.archived_per_sequence() == eager.archived_per_sequence()
 
 
 def test_codes_from_outside_are_checked_where_they_enter():
