@@ -5,8 +5,13 @@ and (codes-only cache) with decode steps on the codes path with per-sequence len
 
 from __future__ import annotations
 
+import functools
+import os
+
 import pytest
-from adapters_fixtures import torch
+from adapters_fixtures import TINY_MODELS, torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from serving_fixtures import model_pair, random_quantizer
 
 import kernels
@@ -14,6 +19,7 @@ from model_adapters.caches.archiving import ArchivingCache
 from model_adapters.caches.code_rows import CodeRows
 from model_adapters.caches.codes_attention import lookup_attention
 from model_adapters.caches.codes_only import CodesOnlyCache, CodesOnlyLayer
+from model_adapters.caches.window import archive_end
 from model_adapters.models import cache_kwarg
 
 G = torch.Generator().manual_seed(21)
@@ -102,6 +108,30 @@ def test_a_padded_sequence_archives_its_own_rows(kind, arch):
     torch.testing.assert_close(got, want, **tolerance(kind))
     assert rows[0].emitted > 0
     assert (rows[1].all_rows() == rows[0].all_rows()).all()
+
+
+@KINDS
+@ARCHS
+def test_assisted_decoding_of_a_padded_prompt_returns_the_greedy_tokens(kind, arch):
+    # a random Qwen3 drafts (as in test_cache_chunking): most drafts are rejected, so the
+    # padded cache is cropped back inside its window between verify chunks
+    model, new_cache = setup(kind, arch, block=2)
+    assistant = TINY_MODELS["qwen3"](seed=5).to(torch.float64)
+    want, _ = generate(model, new_cache(), SHORT, [0], max_new_tokens=32)
+    cache = new_cache()
+    cuts = []
+    crop = cache.crop
+
+    def logged(n):
+        before = cache.get_seq_length()
+        crop(n)
+        cuts.append(before - cache.get_seq_length())
+
+    cache.crop = logged
+    got, _ = generate(model, cache, left_pad(SHORT, 4), [4], max_new_tokens=32,
+                      assistant_model=assistant)
+    assert torch.equal(got, want)
+    assert max(cuts) > 0 and cache.archived_per_sequence()[0] > 0
 
 
 def padded_forward(model, cache, ids, pads, start):
@@ -209,3 +239,64 @@ def test_a_crop_into_the_padding_is_refused():
     assert cache.get_seq_length() == 14
     cache.crop(0)
     assert cache.get_seq_length() == 14
+
+
+N = 20  # batch positions (pads included)
+ROWS = torch.randint(2, 100, (3, N), generator=torch.Generator().manual_seed(8))
+
+
+@functools.cache
+def alone(kind, arch, window, row, pad):
+    """Token-by-token logits of row ``row``'s real tokens run alone, ``(1, N - pad, vocab)``."""
+    model, new_cache = setup(kind, arch, **dict(window))
+    cache, ids = new_cache(), ROWS[row : row + 1, pad:]
+    return torch.cat([padded_forward(model, cache, ids[:, t : t + 1], [0], t)
+                      for t in range(ids.shape[1])], 1)
+
+
+@st.composite
+def padded_chunkings(draw):
+    """Left padding per row, then chunk sizes covering the N positions, the first holding a
+    real token of every row (as generate's prompt does), each with rejected drafts after it."""
+    pads = draw(st.lists(st.integers(0, 7), min_size=2, max_size=3))
+    sizes, total = [], 0
+    while total < N:
+        low = max(pads) + 1 if not sizes else 1
+        size = draw(st.integers(low, N - total))
+        sizes.append((size, draw(st.sampled_from([0, 0, 1, 3, 8]))))
+        total += size
+    return pads, sizes
+
+
+@settings(max_examples=2000 if os.environ.get("FKV_DEEP") else 20, deadline=None)
+@given(
+    kind=st.sampled_from(["archiving", "codes_only"]),
+    arch=st.sampled_from(["gpt2", "qwen3"]),
+    sinks=st.integers(0, 3),
+    recent=st.integers(0, 5),
+    block=st.sampled_from([1, 2, 3]),
+    plan=padded_chunkings(),
+)
+def test_any_padding_and_chunking_computes_each_sequence_alone(kind, arch, sinks, recent,
+                                                                block, plan):
+    pads, chunks = plan
+    window = dict(sinks=sinks, recent=recent, block=block)
+    model, new_cache = setup(kind, arch, **window)
+    batch = ROWS[: len(pads)].clone()
+    for b, p in enumerate(pads):
+        batch[b, :p] = 0
+    drafts = torch.randint(2, 100, (len(pads), 8), generator=torch.Generator().manual_seed(9))
+    cache, got, start = new_cache(), [], 0
+    for size, rejected in chunks:
+        ids = torch.cat([batch[:, start : start + size], drafts[:, :rejected]], 1)
+        got.append(padded_forward(model, cache, ids, pads, start)[:, :size])
+        if rejected:
+            cache.crop(-rejected)
+        start += size
+    got = torch.cat(got, 1)
+    assert cache.archived_per_sequence() == [
+        archive_end(N - p, sinks, recent, block) - sinks for p in pads]
+    key = tuple(sorted(window.items()))
+    for b, p in enumerate(pads):
+        torch.testing.assert_close(got[b : b + 1, p:], alone(kind, arch, key, b, p),
+                                   **tolerance(kind))
