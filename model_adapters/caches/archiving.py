@@ -131,12 +131,14 @@ class ArchivingLayer(DynamicLayer):
         los = [max(a, p + archive_end(n - chunk + 1 - p, S, R, B))
                for a, p in zip(starts, pads, strict=True)]
         moving = [b for b in range(len(pads)) if ends[b] > starts[b]]
-        if chunk > 1 and any(e > lo for e, lo in zip(ends, los, strict=True)):
-            lo, hi = min(lo for e, lo in zip(ends, los, strict=True) if e > lo), max(ends)
+        held = [(lo, e) for e, lo in zip(ends, los, strict=True) if e > lo]
+        if chunk > 1 and held:
+            lo, hi = min(lo for lo, _ in held), max(e for _, e in held)
             self.transit = Transit(lo, keys[..., lo:hi, :].clone(), values[..., lo:hi, :].clone(),
                                    S, R, B, self.pad_tensor)
         if moving:
-            u0, u1 = min(starts[b] for b in moving), max(ends)
+            # only archiving sequences count: another's end may lie past its sinks, beyond n
+            u0, u1 = min(starts[b] for b in moving), max(ends[b] for b in moving)
             old_k, old_v = keys[..., u0:u1, :], values[..., u0:u1, :]
             kc, kr, vc, vr = self.quantizer.quantize(self.layer_idx, old_k, old_v)
             first = max(self.archived_until, u0)  # exact copies: see _keep_exact
@@ -269,7 +271,10 @@ class ArchivingLayer(DynamicLayer):
             src = slice(lo - self.exact_from, hi - self.exact_from)
             self.keys[b, :, lo:hi] = self.exact_k[b, :, src]
             self.values[b, :, lo:hi] = self.exact_v[b, :, src]
-        self.archived_until = max(ends, default=0)
+        # the largest end of a sequence that archived something (a sequence's end past its
+        # sinks may lie beyond ``keep``); exact copies past it would be of dropped positions
+        self.archived_until = max(
+            (e for e, p in zip(ends, self.pads, strict=True) if e > p + S), default=0)
         if self.exact_k is not None:
             cut = max(0, self.archived_until - self.exact_from)
             self.exact_k, self.exact_v = self.exact_k[..., :cut, :], self.exact_v[..., :cut, :]
