@@ -20,7 +20,7 @@ from model_adapters.caches.code_rows import CodeRows
 from model_adapters.caches.codes_attention import lookup_attention
 from model_adapters.caches.codes_only import CodesOnlyCache, CodesOnlyLayer
 from model_adapters.caches.window import archive_end
-from model_adapters.models import cache_kwarg
+from model_adapters.models import cache_kwarg, output_cache
 
 G = torch.Generator().manual_seed(21)
 LONG = torch.randint(2, 100, (1, 14), generator=G)
@@ -45,12 +45,15 @@ def tolerance(kind):
     return dict(rtol=1e-9, atol=1e-9) if kind == "archiving" else dict(rtol=2e-5, atol=2e-5)
 
 
-def generate(model, cache, ids, pads, **settings):
+def generate(model, cache, ids, pads, *, return_cache=False, **settings):
+    """New tokens and scores (and the returned cache) of greedy decoding of ``ids``, whose
+    rows carry ``pads`` leading pads."""
     mask = (torch.arange(ids.shape[1])[None] >= torch.tensor(pads)[:, None]).long()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, **(SETTINGS | settings),
                              **{cache_kwarg(model): cache})
-    return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, 1)
+    got = out.sequences[:, ids.shape[1]:], torch.stack(out.scores, 1)
+    return (*got, output_cache(out)) if return_cache else got
 
 
 def left_pad(ids, n):
@@ -95,6 +98,21 @@ def test_padded_batch_with_beams(kind, arch):
         alone = model.generate(SHORT, max_new_tokens=8, num_beams=2, do_sample=False,
                                pad_token_id=0, **{kw: new_cache()})
     assert torch.equal(beams[0, 14:], alone[0, 9:])
+
+
+@KINDS
+@ARCHS
+def test_a_returned_padded_cache_continues_like_one_run(kind, arch):
+    # a second generate on the cache the first returned: the padding stays each row's
+    model, new_cache = setup(kind, arch, block=2)
+    batch = torch.cat([left_pad(SHORT, 5), LONG])
+    first = generate(model, new_cache(), batch, [5, 0], max_new_tokens=6, return_cache=True)
+    more = torch.randint(2, 100, (2, 4), generator=torch.Generator().manual_seed(3))
+    follow = torch.cat([batch, first[0], more], 1)
+    again = generate(model, first[2], follow, [5, 0], max_new_tokens=6)
+    fresh = generate(model, new_cache(), follow, [5, 0], max_new_tokens=6)
+    torch.testing.assert_close(again[1], fresh[1], **tolerance(kind))
+    assert torch.equal(again[0], fresh[0])
 
 
 @KINDS
