@@ -37,6 +37,7 @@ from model_adapters.caches.sharing import deepcopy_sharing
 from model_adapters.caches.window import (
     DEFAULT_REWIND,
     archive_end,
+    archived_per_sequence,
     check_window,
     crop_target,
     shortest_crop,
@@ -130,12 +131,14 @@ class ArchivingLayer(DynamicLayer):
         los = [max(a, p + archive_end(n - chunk + 1 - p, S, R, B))
                for a, p in zip(starts, pads, strict=True)]
         moving = [b for b in range(len(pads)) if ends[b] > starts[b]]
-        if chunk > 1 and any(e > lo for e, lo in zip(ends, los, strict=True)):
-            lo, hi = min(lo for e, lo in zip(ends, los, strict=True) if e > lo), max(ends)
+        held = [(lo, e) for e, lo in zip(ends, los, strict=True) if e > lo]
+        if chunk > 1 and held:
+            lo, hi = min(lo for lo, _ in held), max(e for _, e in held)
             self.transit = Transit(lo, keys[..., lo:hi, :].clone(), values[..., lo:hi, :].clone(),
                                    S, R, B, self.pad_tensor)
         if moving:
-            u0, u1 = min(starts[b] for b in moving), max(ends)
+            # only archiving sequences count: another's end may lie past its sinks, beyond n
+            u0, u1 = min(starts[b] for b in moving), max(ends[b] for b in moving)
             old_k, old_v = keys[..., u0:u1, :], values[..., u0:u1, :]
             kc, kr, vc, vr = self.quantizer.quantize(self.layer_idx, old_k, old_v)
             first = max(self.archived_until, u0)  # exact copies: see _keep_exact
@@ -180,6 +183,15 @@ class ArchivingLayer(DynamicLayer):
         self.exact_k = torch.cat([self.exact_k[..., drop:, :], k[..., skip:, :]], -2)
         self.exact_v = torch.cat([self.exact_v[..., drop:, :], v[..., skip:, :]], -2)
         self.exact_from = first
+
+    def archived_counts(self) -> list[int]:
+        """Archived positions of each sequence (``batch`` ints)."""
+        if not self.is_initialized or self.quantizer is None:
+            return [0] * (self.keys.shape[0] if self.is_initialized else 0)
+        if self.pads is not None and self.seq_ends:
+            return [max(0, e - p - self.sinks)
+                    for e, p in zip(self.seq_ends, self.pads, strict=True)]
+        return [max(0, self.archived_until - self.sinks)] * self.keys.shape[0]
 
     def _track_error(self, side: int, x: torch.Tensor, recon: torch.Tensor) -> None:
         x64 = x.detach().double().reshape(-1, x.shape[-1])
@@ -259,7 +271,10 @@ class ArchivingLayer(DynamicLayer):
             src = slice(lo - self.exact_from, hi - self.exact_from)
             self.keys[b, :, lo:hi] = self.exact_k[b, :, src]
             self.values[b, :, lo:hi] = self.exact_v[b, :, src]
-        self.archived_until = max(ends, default=0)
+        # the largest end of a sequence that archived something (a sequence's end past its
+        # sinks may lie beyond ``keep``); exact copies past it would be of dropped positions
+        self.archived_until = max(
+            (e for e, p in zip(ends, self.pads, strict=True) if e > p + S), default=0)
         if self.exact_k is not None:
             cut = max(0, self.archived_until - self.exact_from)
             self.exact_k, self.exact_v = self.exact_k[..., :cut, :], self.exact_v[..., :cut, :]
@@ -398,10 +413,16 @@ class ArchivingCache(Cache):
 
     @property
     def archived_tokens(self) -> int:
-        """Positions whose K/V are reconstructions (the same in every layer after a step)."""
-        return min(
-            (layer.archived_until - min(layer.archived_until, self.sinks)) for layer in self.layers
-        )
+        """Positions whose K/V are reconstructions, in the sequence with the most (every
+        sequence of an unpadded batch has as many; :meth:`archived_per_sequence` has each
+        one's count)."""
+        return max(self.archived_per_sequence(), default=0)
+
+    def archived_per_sequence(self) -> list[int]:
+        """Positions of each sequence whose K/V are reconstructions (``batch`` ints; in a
+        left-padded batch counted in the sequence's own tokens, pads never archived; the same
+        in every layer after a step). Empty before the first update."""
+        return archived_per_sequence(self.layers)
 
     def reconstruction_nmse(self) -> dict[str, float | None]:
         """Squared reconstruction error of the archived keys and values, each over their total

@@ -13,7 +13,9 @@ codebooks, recents: the one representation of a decode step's cache the kernels 
   ``"torch"``, the dequantizing reference, for CUDA tensors); everything else, a CPU included,
   :func:`lookup_attention`, which works in float32 on any device and reads a few bytes per
   archived position instead of decoding the archive (``docs/serving.md``, "Decode on a CPU");
-- one query token with masked positions (left-padded batches): :func:`lookup_attention`;
+- one query token of a left-padded batch: the same two paths over a cache with per-sequence
+  lengths (each sequence's own window, :mod:`model_adapters.caches.padded`), which say what each
+  sequence attends; the model's mask (batch positions) is not used;
 - several query tokens (prefill, chunked prefill, verification of draft tokens): the layer's codes
   are decoded into a dense K/V that lives only for this call (one layer's dense K/V for the
   duration of one attention call), and SDPA runs over it as below.
@@ -52,6 +54,7 @@ __all__ = [
     "lookup_attention",
     "register_codes_attention",
     "require_codes_attention",
+    "segment_mask",
     "transit_mask",
     "use_codes_attention",
 ]
@@ -169,7 +172,9 @@ def lookup_attention(
         cache: sinks ``(batch, kv_heads, sinks, head_dim)`` (sinks may be 0), codes
             ``(batch, kv_heads, archived, stages)`` of any integer dtype, codebooks
             ``(kv_heads, stages, codebook_size, head_dim)``, recents ``(batch, kv_heads,
-            recent, head_dim)``; its lengths are ignored (``mask`` says what is attended).
+            recent, head_dim)``; where its lengths are given, sequence ``b`` attends to the first
+            ``sink_lengths[b]`` sinks, ``archived_lengths[b]`` codes and ``recent_lengths[b]``
+            recents only (as the kernels do).
         mask: broadcastable to ``(batch, 1 or q_heads, q_len, sinks + archived + recent)``,
             boolean (True attends) or additive float; None attends to everything.
         scale: softmax scale.
@@ -201,6 +206,9 @@ def lookup_attention(
             scores = scores.masked_fill(~mask, float("-inf"))
         else:
             scores = scores + mask.float()
+    within = segment_mask(cache)
+    if within is not None:
+        scores = scores.masked_fill(~within, float("-inf"))
     weights = torch.softmax(scores, -1).reshape(batch, kv_heads, group, q_len, -1)
     sinks = sink_keys.shape[2]
     w_sink, w_coded, w_recent = weights.split([sinks, archived, recent_keys.shape[2]], -1)
@@ -213,6 +221,22 @@ def lookup_attention(
         hist.scatter_add_(-1, vidx[..., stage].expand(-1, -1, group, q_len, -1), w_coded)
         out += torch.einsum("bhgqk,hkd->bhgqd", hist, value_codebooks[:, stage].float())
     return out.reshape(batch, q_heads, q_len, dim).to(query.dtype)
+
+
+def segment_mask(cache: CodedCache) -> torch.Tensor | None:
+    """``(batch, 1, 1, sinks + archived + recent)`` bool: True on the entries within each
+    segment's length (:class:`kernels.CodedCache`: valid entries first); None when no length
+    is given. Device arithmetic only."""
+    if cache.sink_lengths is None and cache.archived_lengths is None \
+            and cache.recent_lengths is None:
+        return None
+    c = cache.with_lengths()
+    device = c.key_codes.device
+    parts = [torch.arange(size, device=device) < lengths.to(device)[:, None]
+             for size, lengths in ((c.sink_keys.shape[2], c.sink_lengths),
+                                   (c.archived, c.archived_lengths),
+                                   (c.recent_keys.shape[2], c.recent_lengths))]
+    return torch.cat(parts, 1)[:, None, None]
 
 
 def _kernel_path(backend: str, query: torch.Tensor, cache: CodedCache) -> bool:
@@ -268,8 +292,12 @@ def codes_attention_forward(
                                        dropout=dropout, scaling=scaling, **kwargs)
     cache = layer.coded_cache()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if query.shape[2] == 1 and cache.archived and getattr(layer, "pads", None) is None:
+    if query.shape[2] == 1 and cache.archived:
         step = query[:, :, 0]
+        # a left-padded batch: per-sequence lengths say what each sequence attends, and the
+        # model's mask (over the batch's positions) does not apply to this layout
+        padded = cache.sink_lengths is not None
+        attention_mask = None if padded else attention_mask
         if _kernel_path(layer.backend, step, cache) and _all_visible(attention_mask):
             cache = layer.checked_for_kernels(step, cache)
             backend = "triton" if layer.backend == "auto" else layer.backend  # decided above

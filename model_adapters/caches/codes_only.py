@@ -36,11 +36,14 @@ from model_adapters.caches.codes_attention import (
     use_codes_attention,
 )
 from model_adapters.caches.codes_layer import CodesLayer, NoDenseKeysError
+from model_adapters.caches.padded import PaddedLayout
+from model_adapters.caches.padded import grow_positions as _grow
 from model_adapters.caches.sharing import deepcopy_sharing
 from model_adapters.caches.static_codes import CapacityError, StaticCodesLayer
 from model_adapters.caches.window import (
     DEFAULT_REWIND,
     archive_end,
+    archived_per_sequence,
     check_window,
     crop_target,
     shortest_crop,
@@ -59,23 +62,14 @@ __all__ = [
 ]
 
 
-def _grow(buf: torch.Tensor, used: int, extra: int) -> torch.Tensor:
-    """``buf`` with room for ``extra`` more positions on dim 2 (about 1/8 headroom)."""
-    need = used + extra
-    if need <= buf.shape[2]:
-        return buf
-    cap = max(need, buf.shape[2] + buf.shape[2] // 8, 256)
-    out = buf.new_zeros(*buf.shape[:2], cap, buf.shape[3])
-    out[:, :, :used] = buf[:, :, :used]
-    return out
-
-
-class CodesOnlyLayer(CodesLayer):
+class CodesOnlyLayer(PaddedLayout, CodesLayer):
     """One decoder layer: exact sinks, codes for archived positions, exact recent tail.
 
     Positions ``[0, sinks)`` are in ``head``; ``[sinks, archived_end)`` are codes;
     ``[tail_start, length)`` are in ``tail`` (exact, ``tail_start <= archived_end``: the part
-    below ``archived_end`` is the rewind margin, never attended to).
+    below ``archived_end`` is the rewind margin, never attended to). A left-padded batch keeps
+    each sequence's window in its own positions (:class:`~model_adapters.caches.padded.
+    PaddedLayout`).
     """
 
     is_compileable = False
@@ -92,10 +86,11 @@ class CodesOnlyLayer(CodesLayer):
         self.layer_idx = layer_idx
         self.cache = cache
         self.transit: Transit | None = None  # for this forward's attention call (see update)
-        # left padding per sequence (None: none), set by the cache on its first update; then
-        # sink_k/sink_v (batch, kv_heads, sinks, d) hold each sequence's first real tokens
+        # left padding per sequence (None: none), set by the cache on its first update
+        # (start_padded; the layout is model_adapters.caches.padded's)
         self.pads: list[int] | None = None
         self.pad_tensor: torch.Tensor | None = None
+        self.seq_ends: list[int] = []
         self.length = 0
         self.archived_end = cache.sinks
         self.tail_start = cache.sinks
@@ -118,6 +113,8 @@ class CodesOnlyLayer(CodesLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.pads is not None:
+            return self.update_padded(key_states, value_states)
         sinks, recent = self.cache.sinks, self.cache.recent
         take = max(0, min(key_states.shape[2], sinks - self.length))
         if take:
@@ -137,8 +134,6 @@ class CodesOnlyLayer(CodesLayer):
             a, b = lo - self.tail_start, end - self.tail_start
             self.transit = Transit(lo, self.tail_k[:, :, a:b], self.tail_v[:, :, a:b],
                                    sinks, recent, c.block, self.pad_tensor)
-        if self.pads is not None:
-            self._keep_sinks(key_states, value_states)
         if end > self.archived_end:
             self._archive(end)
         # the layer rides on a fresh view so the attention function can find the codes
@@ -146,23 +141,6 @@ class CodesOnlyLayer(CodesLayer):
         values = self.tail_v[:, :, self.archived_end - self.tail_start :]
         setattr(keys, LAYER_ATTR, self)
         return keys, values
-
-    def _keep_sinks(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Copy each padded sequence's sink positions that this chunk brings into ``sink_k`` /
-        ``sink_v``: the archive is laid out by position for the whole batch (block 1), so a
-        sequence whose sinks lie past the batch's first ``sinks`` positions gets them coded
-        there, and attention reads them from here (see :meth:`dense`)."""
-        first = self.length - key_states.shape[2]
-        if first == 0:
-            b, h, _, d = key_states.shape
-            self.sink_k = key_states.new_zeros(b, h, self.cache.sinks, d)
-            self.sink_v = value_states.new_zeros(b, h, self.cache.sinks, d)
-        for b, pad in enumerate(self.pads):
-            lo, hi = max(0, first - pad), min(self.cache.sinks, self.length - pad)
-            if hi > lo:
-                src = slice(pad + lo - first, pad + hi - first)
-                self.sink_k[b, :, lo:hi] = key_states[b, :, src]
-                self.sink_v[b, :, lo:hi] = value_states[b, :, src]
 
     def _archive(self, end: int) -> None:
         start = self.archived_end
@@ -214,6 +192,8 @@ class CodesOnlyLayer(CodesLayer):
         every length None (all valid)."""
         self.cache.unread_layer = None
         q = self.cache.device_quantizer(self.device)
+        if self.pads is not None:
+            return self.padded_coded_cache(q)
         n = self.archived
         cut = self.archived_end - self.tail_start
         return CodedCache(
@@ -246,6 +226,8 @@ class CodesOnlyLayer(CodesLayer):
         self.cache.unread_layer = None
         dtype = dtype or self.dtype
         q = self.cache.device_quantizer(self.device)
+        if self.pads is not None:
+            return self.padded_dense(q, dtype)
         n, cut = self.archived, self.archived_end - self.tail_start
         ks, vs = [self.head_k.to(dtype)], [self.head_v.to(dtype)]
         if n:  # trusted: our encoder wrote the codes, or load_state checked them
@@ -254,12 +236,7 @@ class CodesOnlyLayer(CodesLayer):
             vs.append(decode(self.value_codes[:, :, :n], vb, dtype, trusted=True))
         ks.append(self.tail_k[:, :, cut:].to(dtype))
         vs.append(self.tail_v[:, :, cut:].to(dtype))
-        k, v = torch.cat(ks, 2), torch.cat(vs, 2)
-        for b, pad in enumerate(self.pads or ()):  # each sequence's own sinks, exact
-            n = max(0, min(self.cache.sinks, self.length - pad))
-            k[b, :, pad : pad + n] = self.sink_k[b, :, :n].to(dtype)
-            v[b, :, pad : pad + n] = self.sink_v[b, :, :n].to(dtype)
-        return k, v
+        return torch.cat(ks, 2), torch.cat(vs, 2)
 
     def load_state(
         self,
@@ -289,6 +266,8 @@ class CodesOnlyLayer(CodesLayer):
         """Why this layer cannot be cut back to ``length`` positions (None: it can)."""
         if length > self.length:
             return f"the cache holds only {self.length} positions"
+        if self.pads is not None:
+            return self.padded_crop_problem(length)
         c = self.cache
         sinks = c.sinks
         new_end = min(self.archived_end, archive_end(length, sinks, c.recent, c.block))
@@ -305,6 +284,8 @@ class CodesOnlyLayer(CodesLayer):
         """Cut back to ``length`` positions (check :meth:`crop_problem` first)."""
         if not self.is_initialized or length == self.length:
             return
+        if self.pads is not None:
+            return self.padded_crop_to(length)
         c = self.cache
         sinks = c.sinks
         self.head_k, self.head_v = self.head_k[:, :, :length], self.head_v[:, :, :length]
@@ -318,9 +299,9 @@ class CodesOnlyLayer(CodesLayer):
 
     def reset(self) -> None:
         self.is_initialized = False
-        self.transit = self.pads = self.pad_tensor = None
+        self.transit = None
         self.length = 0
-        self.archived_end = self.tail_start = self.cache.sinks
+        self.end_padded()
 
     # --- batch manipulation (generate: beams, multiple return sequences) -----------------------
     def _map_batch(self, fn, order=None) -> None:
@@ -330,6 +311,7 @@ class CodesOnlyLayer(CodesLayer):
         if self.pads is not None:
             names += ["sink_k", "sink_v"]
             self.pads = [self.pads[i] for i in order]
+            self.seq_ends = [self.seq_ends[i] for i in order]
             self.pad_tensor = torch.tensor(self.pads, device=self.pad_tensor.device)
         for name in names:
             setattr(self, name, fn(getattr(self, name)))
@@ -346,6 +328,15 @@ class CodesOnlyLayer(CodesLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         order = torch.as_tensor(indices).tolist() if self.pads is not None else None
         self._map_batch(lambda t: t[indices], order)
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this layer holds, by kind (``window``: exact K/V, ``codes``); a padded
+        batch's per-sequence sinks count as window."""
+        out = super().tensors()
+        if self.is_initialized and self.pads is not None:
+            out["window"] += [self.sink_k, self.sink_v]
+        return out
+
 
 class CodesOnlyCache(Cache):
     """A transformers ``Cache`` keeping archived positions only as residual-VQ codes.
@@ -444,6 +435,11 @@ class CodesOnlyCache(Cache):
         copies (codebooks, look-up tables)."""
         return deepcopy_sharing(self, memo, [self.quantizer, *self._on_device.values()])
 
+    def __getstate__(self) -> dict:
+        """Pickled without the codebooks' device copies (made again on first use); the
+        quantizer pickles once per pickle and loads shared (:class:`KVQuantizer`)."""
+        return {**self.__dict__, "_on_device": {}}
+
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self.rows is not None:
             self.rows.check_batch(key_states.shape[0])
@@ -458,18 +454,27 @@ class CodesOnlyCache(Cache):
 
     def _start_sequence(self, key_states: torch.Tensor, update_kwargs: dict) -> None:
         """A new sequence: its left padding, once (one read-back), from the position ids.
-        ValueError, before any layer changes, for what padded batches cannot do here."""
+        ValueError, before any layer changes, for a padded batch on a cache with an attached
+        archive (whose token stream holds one unpadded sequence)."""
         pads = left_pads(update_kwargs, key_states.shape[2])
-        if pads is not None and (self.block != 1 or self.rows is not None or self.archive_hooks):
+        if pads is not None and self.archive_hooks:
             raise ValueError(
-                f"a left-padded batch (pads {pads}) needs block=1 and no rows collector or "
-                f"archive in the codes-only cache (got block={self.block}); run the sequences "
-                "unpadded, or use ArchivingCache"
+                f"a left-padded batch (pads {pads}) cannot run on a codes-only cache with an "
+                "attached archive (its token stream is one unpadded sequence); feed the "
+                "tokens unpadded"
             )
         for layer in self.layers:
-            layer.pads = pads
-            layer.pad_tensor = None if pads is None else torch.tensor(
-                pads, device=key_states.device)
+            if pads is None:
+                layer.end_padded()
+            else:
+                layer.start_padded(pads, key_states.device)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every sequence ``repeats`` times (``num_return_sequences``, beams); with a
+        rows collector (batch 1) refused for ``repeats > 1`` before any layer changes."""
+        if self.rows is not None:
+            self.rows.check_batch(repeats)
+        super().batch_repeat_interleave(repeats)
 
     def reset(self) -> None:
         """Empty every layer; refused once codes went to a collector or an archive."""
@@ -492,13 +497,24 @@ class CodesOnlyCache(Cache):
 
     @property
     def archived_tokens(self) -> int:
-        """Positions held only as codes (the same in every layer between forward passes)."""
-        return min(layer.archived for layer in self.layers)
+        """Positions held only as codes, of the sequence with the most (every sequence of an
+        unpadded batch has as many; :meth:`archived_per_sequence` has each one's count)."""
+        return max(self.archived_per_sequence(), default=0)
+
+    def archived_per_sequence(self) -> list[int]:
+        """Positions each sequence of the batch holds only as codes (``batch`` ints; in a
+        left-padded batch counted in the sequence's own tokens, pads never archived; the same
+        in every layer between forward passes). Empty before the first update."""
+        return archived_per_sequence(self.layers)
 
     def archived_after(self, length: int) -> int:
-        """Archived positions left after cutting the cache back to ``length``."""
-        end = archive_end(length, self.sinks, self.recent, self.block)
-        return min(self.archived_tokens, end - self.sinks)
+        """Archived positions left, in the sequence with the most, after cutting the cache back
+        to ``length`` (batch positions, pads included)."""
+        layer = self.layers[0]
+        if layer.pads is None:
+            end = archive_end(length, self.sinks, self.recent, self.block)
+            return min(self.archived_tokens, end - self.sinks)
+        return max(layer.padded_ends_after(length)) - self.sinks
 
     def crop(self, tokens_to_remove: int) -> None:
         """Cut the cache back: ``n > 0`` keeps the first ``n`` positions, ``n < 0`` drops the

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 from model_adapters._checks import count
 
-__all__ = ["DEFAULT_REWIND", "archive_end", "check_window", "crop_target", "shortest_crop"]
+__all__ = [
+    "DEFAULT_REWIND",
+    "archive_end",
+    "archived_per_sequence",
+    "check_window",
+    "crop_target",
+    "shortest_crop",
+]
 
 #: archived positions both caches keep exact copies of by default: transformers' assistant drafts
 #: 20 tokens per round by default, and a crop back by ``k`` positions needs ``k + block - 1``
@@ -59,3 +66,12 @@ def crop_target(tokens_to_remove: int, length: int) -> int:
     if target > length:
         raise ValueError(f"cannot keep {target} positions: the cache holds only {length}")
     return target
+
+
+def archived_per_sequence(layers) -> list[int]:
+    """Archived positions of each sequence of a batch, from cache layers that each report
+    theirs (``layer.archived_counts()``, ``batch`` ints; in a left-padded batch counted in the
+    sequence's own tokens): the smallest over the layers, which agree between forward passes.
+    Empty before the first update."""
+    counts = [layer.archived_counts() for layer in layers]
+    return [min(c) for c in zip(*counts, strict=False)]

@@ -9,7 +9,9 @@ A quantizer may record the identity of the model it was fitted on
 
 from __future__ import annotations
 
+import hashlib
 import json
+import weakref
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,7 +29,11 @@ from model_adapters.models import (
 from model_adapters.quant.configs import QuantConfig, parse_config
 from model_adapters.quant.rvq import code_dtype, decode, encode, stage_tables, train_rvq
 
-__all__ = ["CODEBOOKS_FILE", "CONFIG_FILE", "KVQuantizer", "train_kv_quantizer"]
+__all__ = ["CODEBOOKS_FILE", "CONFIG_FILE", "KVQuantizer", "shared_quantizer", "train_kv_quantizer"]
+
+#: live quantizers by content key (:meth:`KVQuantizer.content_key`): what unpickling resolves to,
+#: so every unpickled copy of one quantizer is that one object (see :meth:`KVQuantizer.__reduce__`)
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class KVQuantizer:
@@ -49,6 +55,13 @@ class KVQuantizer:
         quantizer = KVQuantizer.fit(model, token_ids, "perhead-k256-s2")
         quantizer.save_pretrained("codebooks/")
         quantizer = KVQuantizer.from_pretrained("codebooks/", model)
+
+    The codebooks are read-only once built: caches and their copies share one quantizer.
+    A pickle holds the codebooks once however many caches in it use them (pickle's memo), not
+    the encoder's tables (rebuilt on load), and unpickling resolves to the live quantizer of
+    the same content in the process when there is one (:func:`shared_quantizer`), so caches
+    unpickled from separate pickles share one storage too. ``copy.deepcopy`` of a quantizer
+    alone gives an independent copy.
     """
 
     def __init__(
@@ -90,11 +103,44 @@ class KVQuantizer:
             else torch.as_tensor(value_codebooks, dtype=torch.float32)
         )
         self.codebook_size = sizes.pop() if sizes else 0
-        # per-stage tables, prepared once and reused by every step's encode
+        self._build_tables()
+
+    def _build_tables(self) -> None:
+        """The per-stage tables, prepared once and reused by every step's encode."""
         self._tables = [
             None if b is None else [stage_tables(layer) for layer in b]
             for b in (self.key_codebooks, self.value_codebooks)
         ]
+
+    def content_key(self) -> str:
+        """sha256 over the codebooks (values, shapes, device) and the shape, pooling and
+        identity: equal for quantizers that quantize alike. Computed once (codebooks are
+        read-only)."""
+        key = self.__dict__.get("_content_key")
+        if key is None:
+            h = hashlib.sha256(repr((self.shape, self.pooled, self.identity,
+                                     self.allow_different_weights)).encode())
+            for books in (self.key_codebooks, self.value_codebooks):
+                if books is None:
+                    h.update(b"exact")
+                    continue
+                h.update(repr((tuple(books.shape), str(books.device))).encode())
+                h.update(books.detach().cpu().contiguous().numpy().tobytes())
+            key = self._content_key = h.hexdigest()
+        return key
+
+    def __reduce__(self):
+        """Pickle as the codebooks and settings (no tables); loading goes through
+        :func:`shared_quantizer`. This quantizer becomes the live one for its content."""
+        key = self.content_key()
+        _LIVE.setdefault(key, self)
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_tables", "_content_key")}
+        return shared_quantizer, (key, state)
+
+    def __deepcopy__(self, memo: dict) -> KVQuantizer:
+        """An independent copy (its own codebooks and tables)."""
+        clone = lambda t: None if t is None else t.clone()  # noqa: E731
+        return self._like(clone(self.key_codebooks), clone(self.value_codebooks))
 
     @property
     def key_stages(self) -> int:
@@ -361,6 +407,20 @@ class KVQuantizer:
             check_identity(identity, model_identity(model), what=f"codebooks in {str(folder)!r}",
                            allow_different_weights=allow_different_weights)
         return q
+
+
+def shared_quantizer(key: str, state: dict) -> KVQuantizer:
+    """The quantizer a pickle holds (``state``: :meth:`KVQuantizer.__reduce__`'s): the live one
+    with content ``key`` if the process has one, else a new one built from ``state`` (tables
+    rebuilt), which becomes the live one."""
+    live = _LIVE.get(key)
+    if live is not None:
+        return live
+    q = KVQuantizer.__new__(KVQuantizer)
+    q.__dict__.update(state)
+    q._build_tables()
+    q._content_key = key
+    return _LIVE.setdefault(key, q)
 
 
 def _segments(token_ids) -> list[list[int]]:

@@ -317,7 +317,7 @@ def test_lookup_attention_matches_dense_oracle(
 def test_triton_path_under_the_interpreter():
     pytest.importorskip("triton")
     out = run_interpreted(Path(__file__).with_name("test_serving_interpreted.py"), timeout=600)
-    assert "2 passed" in out
+    assert "3 passed" in out
 
 
 def test_collecting_rows_needs_batch_one_and_forbids_reset():
