@@ -72,7 +72,7 @@ class StaticCodesLayer(CodesLayer):
         self.capacity = cache.capacity
         self.code_slots = max(0, cache.capacity - cache.sinks - cache.recent)
         self.transit: Transit | None = None
-        self.pads = self.pad_tensor = None  # set by the cache; a padded batch is refused
+        self.pads = self.pad_tensor = None  # always None: start_padded refuses a padded batch
         self.host_length: int | None = 0  # the device length, when the host knows it
         self.kernel_backend = "torch"
 
@@ -123,11 +123,6 @@ class StaticCodesLayer(CodesLayer):
                     "a compiled forward of a capacity cache takes one token per sequence; run "
                     "multi-token forwards (prefill) eagerly")
             return self._step(key_states, value_states)
-        if self.pads is not None:
-            pads, self.pads = self.pads, None
-            raise ValueError(
-                f"a left-padded batch (pads {pads}) cannot use a codes-only cache with a "
-                "capacity; run the sequences unpadded or build the cache without capacity")
         if not self.is_initialized or (self.known_length() == 0
                                        and key_states.shape[:2] != self.window_k.shape[:2]):
             self.lazy_initialization(key_states, value_states)
@@ -245,6 +240,10 @@ class StaticCodesLayer(CodesLayer):
         return min(archive_end(self.known_length(), c.sinks, c.recent, 1) - c.sinks,
                    self.code_slots)
 
+    def archived_counts(self) -> list[int]:
+        """Archived positions of each sequence (``batch`` ints, equal: never padded)."""
+        return [self.archived] * self.window_k.shape[0] if self.is_initialized else []
+
     def coded_cache(self, mark_read: bool = True) -> CodedCache:
         """The whole buffers with ``(batch,)`` int32 lengths computed on the device."""
         if mark_read:
@@ -327,6 +326,16 @@ class StaticCodesLayer(CodesLayer):
                 buf[:, :, : kept.shape[2]] = kept
             self.length.fill_(length)
             self.host_length = length
+
+    def start_padded(self, pads: list[int], device) -> None:
+        """Called by the cache for a new left-padded batch: refused (before any layer
+        changes: the cache asks every layer before the first update)."""
+        raise ValueError(
+            f"a left-padded batch (pads {pads}) cannot use a codes-only cache with a "
+            "capacity; run the sequences unpadded or build the cache without capacity")
+
+    def end_padded(self) -> None:
+        """Called by the cache for a new unpadded batch (nothing to undo here)."""
 
     def reset(self) -> None:
         """Empty the layer, keeping its buffers (and their addresses)."""
