@@ -71,9 +71,10 @@ _WHERE = {
     "lookup_attention": "caches.codes_attention",
     "use_codes_attention": "caches.codes_attention",
     # store: archives on disk
+    "FsqArchive": "store.fsq_archive",
     "ServingArchive": "store.serving_archive",
 }
-_MODULES = {"serving_archive": "store.serving_archive"}
+_MODULES = {"fsq_archive": "store.fsq_archive", "serving_archive": "store.serving_archive"}
 
 __all__ = sorted([*_WHERE, *_MODULES])
 

@@ -179,3 +179,10 @@ def test_bad_input_is_refused_before_anything_changes(model, tmp_path):
     with fsq_archive.create(tmp_path / "y.fkv", model, cache=cache,
                             token_ids=_ids(4)[0], mode="w") as ar:
         assert len(ar.codes) == 4
+
+
+def test_the_public_surface_names_the_archive():
+    import model_adapters
+
+    assert model_adapters.FsqArchive is fsq_archive.FsqArchive
+    assert model_adapters.fsq_archive is fsq_archive
