@@ -186,3 +186,16 @@ def test_the_public_surface_names_the_archive():
 
     assert model_adapters.FsqArchive is fsq_archive.FsqArchive
     assert model_adapters.fsq_archive is fsq_archive
+
+
+def test_levels_that_are_not_powers_of_two_round_trip(tmp_path):
+    model = convert_to_fsq(_qwen3(), "fsq-w5-L5", CALIB).double()  # mixed-radix packing
+    ids = _ids(18)
+    with fsq_archive.create(tmp_path / "l5.fkv", model) as ar:
+        ar.forward(model, ids)
+        want = [ar.cache.layer_codes(i) for i in range(2)]
+        assert ar.codes.alphabet_size == 5
+    with fsq_archive.resume(tmp_path / "l5.fkv", model) as ar:
+        for i in range(2):
+            assert torch.equal(ar.cache.layer_codes(i), want[i])
+            assert int(want[i].max()) <= 4
