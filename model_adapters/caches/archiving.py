@@ -213,7 +213,12 @@ class ArchivingLayer(DynamicLayer):
 
     def _keep_exact(self, start: int, end: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append the exact ``(batch, kv_heads, end - start, head_dim)`` K/V about to be
-        overwritten, keeping only the last ``rewind`` archived positions."""
+        overwritten, keeping only the last ``rewind`` archived positions. None kept while
+        codes go to a rows collector (crop refuses to go back past archived positions then,
+        and later crops past them find no copies and refuse too)."""
+        if self.rows is not None:
+            self.exact_k = self.exact_v = None
+            return
         if self.exact_k is None or self.exact_from + self.exact_k.shape[-2] != start:
             self.exact_k, self.exact_v, self.exact_from = k[..., :0, :], v[..., :0, :], start
         first = max(self.exact_from, end - self.rewind)
