@@ -52,8 +52,9 @@ class ArchivingLayer(DynamicLayer):
     """One decoder layer's cache: exact window, reconstructed history, codes collected.
 
     Keys and values are ``(batch, kv_heads, seq, head_dim)`` in the model's dtype: the leading
-    positions of buffers with spare room, so a decode step appends in place instead of copying
-    the whole cache (what ``DynamicLayer`` does); copies and pickles hold the positions only.
+    positions of buffers with spare room (up to as many again, doubling when it runs out), so a
+    decode step appends in place instead of copying the whole cache (what ``DynamicLayer``
+    does); copies and pickles hold the positions only.
     """
 
     def __init__(
