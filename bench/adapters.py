@@ -5,9 +5,12 @@ default; codebooks are trained on K/V the model caches over random tokens (train
 reported too). Each round prefills every cache with the same tokens, then times the same decode
 steps with each: DynamicCache, the archiving cache quantizing each position on the step it
 leaves the exact window (``block`` 1), and the archiving cache quantizing in groups of
-``--block`` positions; the order rotates between rounds. Prints a table and writes JSON.
+``--block`` positions (aligned on the sinks, so every chunking of a sequence still computes
+what token-by-token decoding does); the order rotates between rounds. Prints a table and writes
+JSON. ``--codebooks DIR`` keeps the trained codebooks in DIR and reuses them on the next run
+(the model is the same: its weights come from a fixed seed).
 
-    python bench/adapters.py [--steps 64] [--prefill 512] [--block 16]
+    python bench/adapters.py [--steps 64] [--prefill 512] [--block 16] [--codebooks DIR]
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel  # noqa: E402
 from model_adapters.caches.archiving import ArchivingCache  # noqa: E402
 from model_adapters.caches.code_rows import CodeRows  # noqa: E402
 from model_adapters.caches.codes_attention import use_codes_attention  # noqa: E402
-from model_adapters.models import (
-    cache_kwarg,  # noqa: E402
-    kv_shape,  # noqa: E402
-)
+from model_adapters.models import cache_kwarg, kv_shape, model_identity  # noqa: E402
 from model_adapters.quant.collect import collect_kv  # noqa: E402
 from model_adapters.quant.configs import parse_config  # noqa: E402
-from model_adapters.quant.quantizer import train_kv_quantizer  # noqa: E402
+from model_adapters.quant.quantizer import (  # noqa: E402
+    CONFIG_FILE,
+    KVQuantizer,
+    train_kv_quantizer,
+)
 from model_adapters.store import archive_io  # noqa: E402
 
 
@@ -69,6 +73,8 @@ def main(argv=None) -> int:
     p.add_argument("--recent", type=int, default=32)
     p.add_argument("--block", type=int, default=16, help="group size of the third cache")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--codebooks", default=None,
+                   help="folder to keep the trained codebooks in and reuse them from")
     p.add_argument("--json", default="bench/results/adapters.json")
     args = p.parse_args(argv)
     if args.threads:
@@ -89,12 +95,22 @@ def main(argv=None) -> int:
     qcfg = parse_config(args.config)
     gen = torch.Generator().manual_seed(1)
     train_ids = torch.randint(0, cfg.vocab_size, (args.train_tokens,), generator=gen).tolist()
-    t0 = time.perf_counter()
-    keys, values = collect_kv(model, [train_ids], context=1024)
-    collect_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    quantizer = train_kv_quantizer(keys, values, shape, qcfg, iters=args.kmeans_iters)
-    train_s = time.perf_counter() - t0
+    saved = Path(args.codebooks) if args.codebooks else None
+    collect_s = train_s = None
+    if saved is not None and (saved / CONFIG_FILE).exists():
+        quantizer = KVQuantizer.from_pretrained(saved, model)
+        if quantizer.config.canonical != qcfg.canonical:
+            raise SystemExit(f"{saved} holds {quantizer.config.canonical}, not {qcfg.canonical}")
+    else:
+        t0 = time.perf_counter()
+        keys, values = collect_kv(model, [train_ids], context=1024)
+        collect_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        quantizer = train_kv_quantizer(keys, values, shape, qcfg, iters=args.kmeans_iters)
+        train_s = time.perf_counter() - t0
+        quantizer.identity = model_identity(model)
+        if saved is not None:
+            quantizer.save_pretrained(saved)
 
     prefill = torch.randint(0, cfg.vocab_size, (1, args.prefill), generator=gen)
     steps = torch.randint(0, cfg.vocab_size, (1, args.steps), generator=gen)
@@ -155,6 +171,7 @@ def main(argv=None) -> int:
         "kmeans_iters": args.kmeans_iters,
         "collect_seconds": collect_s,
         "codebook_train_seconds": train_s,
+        "codebooks_loaded": train_s is None,
         "torch_threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
@@ -163,7 +180,8 @@ def main(argv=None) -> int:
     labels = {
         "dynamic": "DynamicCache",
         "archiving": f"archiving ({what}), each position as it leaves",
-        f"archiving-block{args.block}": f"archiving ({what}), groups of {args.block}",
+        f"archiving-block{args.block}": f"archiving ({what}), groups of {args.block} "
+        "aligned on the sinks",
     }
     print("| cache | ms / decode step (mean) | overhead | median step ms | slowest step ms |")
     print("|---|---|---|---|---|")
@@ -174,10 +192,13 @@ def main(argv=None) -> int:
             f"| {labels[name]} | {rec['ms_per_step']:.2f} | {over} | "
             f"{rec['median_step_ms']:.2f} | {rec['max_step_ms']:.2f} |"
         )
-    print(
-        f"codebook training ({args.config}, {args.train_tokens} tokens, "
-        f"{args.kmeans_iters} iters): {train_s:.1f} s; K/V collection {collect_s:.1f} s"
-    )
+    if train_s is not None:
+        print(
+            f"codebook training ({args.config}, {args.train_tokens} tokens, "
+            f"{args.kmeans_iters} iters): {train_s:.1f} s; K/V collection {collect_s:.1f} s"
+        )
+    else:
+        print(f"codebooks loaded from {saved}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -51,7 +51,10 @@ __all__ = ["ArchivingCache", "ArchivingLayer"]
 class ArchivingLayer(DynamicLayer):
     """One decoder layer's cache: exact window, reconstructed history, codes collected.
 
-    Keys and values are ``(batch, kv_heads, seq, head_dim)`` in the model's dtype.
+    Keys and values are ``(batch, kv_heads, seq, head_dim)`` in the model's dtype: the leading
+    positions of buffers with spare room (up to as many again, doubling when it runs out), so a
+    decode step appends in place instead of copying the whole cache (what ``DynamicLayer``
+    does); copies and pickles hold the positions only.
     """
 
     def __init__(
@@ -90,9 +93,45 @@ class ArchivingLayer(DynamicLayer):
         self.exact_v: torch.Tensor | None = None
         # per side (K, V): [squared error, sum of x, sum of x^2, vectors] of archived positions
         self.error_stats = [[0.0, None, 0.0, 0], [0.0, None, 0.0, 0]]
+        # (keys buffer, values buffer, keys, values): buffers with spare positions, and the
+        # leading parts of them that this layer last handed out as its keys and values, so
+        # that a step appends in place (see _append)
+        self._room: tuple[torch.Tensor, ...] | None = None
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """``DynamicLayer.update`` (keys and values grow by the new positions) without copying
+        the whole cache each step: they are the leading positions of buffers with room to grow
+        (doubling), written in place. When keys or values were replaced since (a crop, a batch
+        reorder), or the room runs out, new buffers start with a copy of them."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.keys.dim() != 4:  # nothing held yet
+            self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
+        n, add = self.keys.shape[-2], key_states.shape[-2]
+        room = self._room
+        if (room is None or room[2] is not self.keys or room[3] is not self.values
+                or room[0].shape[-2] < n + add or room[0].shape[:2] != key_states.shape[:2]):
+            cap = max(2 * (n + add), 64)
+            kbuf, vbuf = (t.new_empty(*t.shape[:2], cap, t.shape[3])
+                          for t in (self.keys, self.values))
+            kbuf[..., :n, :], vbuf[..., :n, :] = self.keys, self.values
+        else:
+            kbuf, vbuf = room[0], room[1]
+        kbuf[..., n : n + add, :], vbuf[..., n : n + add, :] = key_states, value_states
+        self.keys, self.values = kbuf[..., : n + add, :], vbuf[..., : n + add, :]
+        self._room = (kbuf, vbuf, self.keys, self.values)
+        return self.keys, self.values
+
+    def __getstate__(self) -> dict:
+        """Pickles and deep copies hold the positions only, not the spare room."""
+        state = dict(self.__dict__)
+        if self._room is not None:
+            state["keys"], state["values"] = self.keys.clone(), self.values.clone()
+            state["_room"] = None
+        return state
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        keys, values = self._append(key_states, value_states)
         if self.quantizer is None:
             return keys, values
         if self.pads is not None:
@@ -175,7 +214,12 @@ class ArchivingLayer(DynamicLayer):
 
     def _keep_exact(self, start: int, end: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append the exact ``(batch, kv_heads, end - start, head_dim)`` K/V about to be
-        overwritten, keeping only the last ``rewind`` archived positions."""
+        overwritten, keeping only the last ``rewind`` archived positions. None kept while
+        codes go to a rows collector (crop refuses to go back past archived positions then,
+        and later crops past them find no copies and refuse too)."""
+        if self.rows is not None:
+            self.exact_k = self.exact_v = None
+            return
         if self.exact_k is None or self.exact_from + self.exact_k.shape[-2] != start:
             self.exact_k, self.exact_v, self.exact_from = k[..., :0, :], v[..., :0, :], start
         first = max(self.exact_from, end - self.rewind)

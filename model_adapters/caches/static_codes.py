@@ -93,7 +93,7 @@ class StaticCodesLayer(CodesLayer):
         self.host_length = 0
         _static(self.sink_k, self.sink_v, self.window_k, self.window_v, self.key_codes,
                 self.value_codes, self.length, q.key_codebooks, q.value_codebooks,
-                *(t for side in q._tables for ts in side[self.layer_idx] for t in ts))
+                *q.table_tensors(self.layer_idx))
         # attention finds the layer on the tensor update returns (the window, every step)
         setattr(self.window_k, LAYER_ATTR, self)
         self.is_initialized = True

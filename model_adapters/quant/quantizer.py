@@ -27,7 +27,13 @@ from model_adapters.models import (
     model_identity,
 )
 from model_adapters.quant.configs import QuantConfig, parse_config
-from model_adapters.quant.rvq import code_dtype, decode, encode, stage_tables, train_rvq
+from model_adapters.quant.rvq import (
+    code_dtype,
+    decode,
+    encode_joint,
+    joint_tables,
+    train_rvq,
+)
 
 __all__ = ["CODEBOOKS_FILE", "CONFIG_FILE", "KVQuantizer", "shared_quantizer", "train_kv_quantizer"]
 
@@ -106,11 +112,18 @@ class KVQuantizer:
         self._build_tables()
 
     def _build_tables(self) -> None:
-        """The per-stage tables, prepared once and reused by every step's encode."""
-        self._tables = [
-            None if b is None else [stage_tables(layer) for layer in b]
-            for b in (self.key_codebooks, self.value_codebooks)
-        ]
+        """The encoder's tables, prepared once and reused by every step's :meth:`quantize`:
+        per layer, the quantized sides' codebooks stacked
+        (:func:`~model_adapters.quant.rvq.joint_tables`)."""
+        sides = [b for b in (self.key_codebooks, self.value_codebooks) if b is not None]
+        self._tables = [joint_tables([b[layer] for b in sides])
+                        for layer in range(self.shape.num_layers)] if sides else []
+
+    def table_tensors(self, layer: int) -> list[torch.Tensor]:
+        """Every tensor of ``layer``'s prepared encoder tables (for marking them static)."""
+        if not self._tables:
+            return []
+        return [*self._tables[layer].books, *self._tables[layer].norms]
 
     def content_key(self) -> str:
         """sha256 over the codebooks (values, shapes, device) and the shape, pooling and
@@ -207,15 +220,14 @@ class KVQuantizer:
             itself on an exact side.
         """
         batch, heads, n, _ = keys.shape
+        exact = torch.zeros(batch, heads, n, 0, dtype=self.code_dtype, device=keys.device)
+        sides = [x for books, x in zip((self.key_codebooks, self.value_codebooks),
+                                       (keys, values), strict=True) if books is not None]
+        coded = iter(encode_joint(sides, self._tables[layer]) if sides else [])
         out = []
-        sides = zip(
-            (self.key_codebooks, self.value_codebooks), (keys, values), self._tables, strict=True
-        )
-        for books, x, tables in sides:
-            if books is None:
-                out += [torch.zeros(batch, heads, n, 0, dtype=self.code_dtype, device=x.device), x]
-            else:
-                out += list(encode(x, books[layer], tables[layer]))
+        for books, x in zip((self.key_codebooks, self.value_codebooks), (keys, values),
+                            strict=True):
+            out += [exact, x] if books is None else list(next(coded))
         return tuple(out)
 
     def decode(

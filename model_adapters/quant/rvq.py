@@ -18,8 +18,11 @@ __all__ = [
     "StageTables",
     "check_codes",
     "code_dtype",
+    "JointTables",
     "decode",
     "encode",
+    "encode_joint",
+    "joint_tables",
     "stage_tables",
     "train_rvq",
 ]
@@ -176,6 +179,97 @@ def encode(
     codes_t = torch.stack(codes, -1).view(heads, batch, seq, stages).permute(1, 0, 2, 3)
     recon = recon.view(heads, batch, seq, dim).permute(1, 0, 2, 3)
     return codes_t.to(code_dtype(k)).contiguous(), recon.to(x.dtype).contiguous()
+
+
+class JointTables(NamedTuple):
+    """Stage tables of several codebook sets of one layer (its keys' and values'), stacked on
+    the head axis so that one matrix product per stage serves them all; prepared once for
+    :func:`encode_joint`.
+
+    Attributes:
+        order: the sets' indices, most stages first: at stage ``s`` the sets with more than
+            ``s`` stages are a prefix of this order, and their heads the first rows.
+        stages: stage count of each set (in the sets' own order).
+        books: per stage ``(rows, codebook_size, head_dim)`` float32, contiguous, ``rows`` =
+            ``kv_heads`` times the sets with more than ``s`` stages.
+        norms: per stage ``(rows, codebook_size, 1)`` squared centroid norms.
+    """
+
+    order: list[int]
+    stages: list[int]
+    books: list[torch.Tensor]
+    norms: list[torch.Tensor]
+
+
+def joint_tables(codebooks: list[torch.Tensor]) -> JointTables:
+    """Prepare codebook sets, each ``(kv_heads, stages, codebook_size, head_dim)`` with the same
+    heads, size and width (stages may differ, at least 1), for :func:`encode_joint`."""
+    for books in codebooks:
+        _check_codebooks(books)
+    if len({(b.shape[0], b.shape[2], b.shape[3]) for b in codebooks}) > 1:
+        raise ValueError(
+            "joint codebook sets need equal (kv_heads, codebook_size, head_dim), got "
+            f"{[tuple(b.shape) for b in codebooks]}")
+    stages = [b.shape[1] for b in codebooks]
+    order = sorted(range(len(codebooks)), key=lambda i: -stages[i])
+    books = []
+    for s in range(max(stages, default=0)):
+        active = [codebooks[i][:, s].to(torch.float32) for i in order if stages[i] > s]
+        books.append(torch.cat(active).contiguous())
+    return JointTables(order, stages, books, [(b * b).sum(-1, keepdim=True) for b in books])
+
+
+def encode_joint(
+    xs: list[torch.Tensor], tables: JointTables
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`encode` of each ``xs[i]`` with codebook set ``i`` of ``tables``
+    (:func:`joint_tables`), in one matrix product, one search and one gather per stage for all
+    sets: ``[encode(x, books) for x, books in zip(xs, sets)]``, the same codes and floats.
+
+    Args:
+        xs: one per set, ``(batch, kv_heads, seq, head_dim)`` float, all the same shape.
+
+    Returns:
+        Per set ``(codes, reconstruction)`` as :func:`encode` returns them.
+    """
+    if len(xs) != len(tables.stages):
+        raise ValueError(f"{len(tables.stages)} codebook sets, {len(xs)} inputs")
+    rows0, k, dim = tables.books[0].shape
+    heads = rows0 // len(xs)
+    shape = tuple(xs[0].shape)
+    if len(shape) != 4 or shape[1] != heads or shape[3] != dim or any(
+            tuple(x.shape) != shape for x in xs):
+        raise ValueError(
+            f"inputs must all be (batch, {heads}, seq, {dim}), got {[tuple(x.shape) for x in xs]}")
+    batch, _, seq, _ = shape
+    n = batch * seq
+    residual = torch.cat([
+        xs[i].to(torch.float32).permute(1, 0, 2, 3).reshape(heads, n, dim) for i in tables.order])
+    codes = torch.empty(rows0, n, len(tables.books), dtype=torch.int64, device=residual.device)
+    recon = residual  # replaced at stage 0 (every set has a stage 0)
+    for s, (books, norms) in enumerate(zip(tables.books, tables.norms, strict=True)):
+        rows = books.shape[0]
+        if rows < residual.shape[0]:
+            residual = residual[:rows]
+        # as in encode: codebook rows times vectors, ||x||^2 left out of the argmin
+        score = torch.baddbmm(norms, books, residual.transpose(1, 2), alpha=-2.0)
+        idx = score.min(dim=1)[1]
+        picked = torch.gather(books, 1, idx.unsqueeze(-1).expand(-1, -1, dim))
+        if s + 1 < len(tables.books):
+            residual = residual - picked
+        if s == 0:
+            recon = picked
+        else:
+            recon[:rows] += picked  # 0 + c0 + c1 + ..., encode's (and decode's) order
+        codes[:rows, :, s] = idx
+    out: list = [None] * len(xs)
+    dtype = code_dtype(k)
+    for p, i in enumerate(tables.order):
+        part = slice(p * heads, (p + 1) * heads)
+        c = codes[part, :, : tables.stages[i]].view(heads, batch, seq, -1).permute(1, 0, 2, 3)
+        r = recon[part].view(heads, batch, seq, dim).permute(1, 0, 2, 3)
+        out[i] = (c.to(dtype).contiguous(), r.to(xs[i].dtype).contiguous())
+    return out
 
 
 def check_codes(codes: torch.Tensor, codebook_size: int) -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 from adapters_fixtures import TINY_MODELS, random_quantizer, torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from model_adapters.caches.archiving import ArchivingCache
 from model_adapters.caches.code_rows import CodeRows
@@ -257,3 +261,51 @@ def test_rope_scaling_changes_the_fingerprint_and_plain_rope_keeps_the_old_one()
              "vocab_size": cfg.vocab_size, "rope_theta": cfg.rope_parameters["rope_theta"]}
     blob = json.dumps({**asdict(kv_shape(cfg)), **ident}, sort_keys=True).encode()
     assert config_fingerprint(cfg) == hashlib.sha256(blob).hexdigest()
+
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("append"), st.integers(1, 70)),
+    st.tuples(st.just("crop"), st.integers(1, 20)),
+    st.tuples(st.just("reorder"), st.permutations([0, 1])),
+    st.tuples(st.just("copy"), st.just(0)),
+), max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=_OPS, seed=st.integers(0, 2**31 - 1))
+def test_layer_appends_in_place_as_dynamic_layer_concatenates(ops, seed):
+    """The archiving layer's in-place append (buffers with room) against DynamicLayer's
+    concatenation, through crops, batch reorders and deep copies: the same keys and values at
+    every step, and what was handed out before stays as it was unless the layer changed it."""
+    from transformers.cache_utils import DynamicLayer
+
+    from model_adapters.caches.archiving import ArchivingLayer
+
+    g = torch.Generator().manual_seed(seed)
+    ours, ref = ArchivingLayer(0, None, 0, 0, None), DynamicLayer()
+    handed = []
+    for op, arg in ops:
+        n = ref.get_seq_length()
+        if op == "append":
+            k, v = torch.randn(2, 3, arg, 4, generator=g), torch.randn(2, 3, arg, 4, generator=g)
+            got, want = ours.update(k, v), ref.update(k, v)
+            handed.append((got, [t.clone() for t in got]))
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        elif op == "crop" and n:
+            ours.crop(-min(arg, n))
+            ref.crop(-min(arg, n))
+            handed.clear()  # positions past a crop are rewritten by the next append
+        elif op == "reorder" and n:
+            ours.reorder_cache(torch.tensor(arg))
+            ref.reorder_cache(torch.tensor(arg))
+        elif op == "copy":
+            roomy = ours._room is not None
+            ours = copy.deepcopy(ours)
+            if roomy:  # the copy holds the positions, not the buffers' spare room
+                assert ours._room is None
+                assert ours.keys.untyped_storage().nbytes() == ours.keys.nbytes
+        assert ours.get_seq_length() == ref.get_seq_length()
+        if ref.get_seq_length():
+            assert torch.equal(ours.keys, ref.keys) and torch.equal(ours.values, ref.values)
+        for got, snapshot in handed:
+            assert all(torch.equal(a, b) for a, b in zip(got, snapshot, strict=True))

@@ -13,7 +13,14 @@ from model_adapters.models import KVShape  # noqa: E402
 from model_adapters.quant.configs import QuantConfig  # noqa: E402
 from model_adapters.quant.kmeans import assign, kmeans, kmeans_plus_plus  # noqa: E402
 from model_adapters.quant.quantizer import KVQuantizer, train_kv_quantizer  # noqa: E402
-from model_adapters.quant.rvq import code_dtype, decode, encode, train_rvq  # noqa: E402
+from model_adapters.quant.rvq import (  # noqa: E402
+    code_dtype,
+    decode,
+    encode,
+    encode_joint,
+    joint_tables,
+    train_rvq,
+)
 
 
 def naive_nearest(x: np.ndarray, centroids: np.ndarray) -> int:
@@ -159,6 +166,44 @@ def test_encode_matches_naive_rvq(batch, heads, stages, k, dim, seq, seed):
                 assert codes[b, h, t].tolist() == want_codes
                 np.testing.assert_allclose(recon[b, h, t].numpy(), want_recon, atol=1e-5)
     assert torch.equal(decode(codes, books), recon)
+
+
+@given(
+    st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    st.integers(1, 2),
+    st.integers(1, 3),
+    st.integers(2, 12),
+    st.integers(1, 9),
+    st.sampled_from([torch.float32, torch.float64, torch.float16]),
+    st.booleans(),
+    st.integers(0, 2**31 - 1),
+)
+def test_joint_encode_matches_encode_per_set(stages, batch, heads, k, seq, dtype, ties, seed):
+    """One stacked search for a layer's keys and values gives each side what encoding it alone
+    gives, bit for bit (codes, reconstruction, dtypes), whatever their stage counts."""
+    g = torch.Generator().manual_seed(seed)
+    dim = 8
+    sets = [torch.randn(heads, s, k, dim, generator=g) for s in stages]
+    if ties:  # duplicated centroids: the first of equal candidates must win on both paths
+        sets = [torch.cat([b[:, :, : k // 2], b[:, :, : k - k // 2]], 2) for b in sets]
+    xs = [torch.randn(batch, heads, seq, dim, generator=g).to(dtype) for _ in stages]
+    got = encode_joint(xs, joint_tables(sets))
+    for x, books, (codes, recon) in zip(xs, sets, got, strict=True):
+        want_codes, want_recon = encode(x, books)
+        assert codes.dtype == want_codes.dtype and recon.dtype == want_recon.dtype
+        assert torch.equal(codes, want_codes)
+        assert torch.equal(recon, want_recon)
+
+
+def test_joint_encode_refuses_mismatched_inputs():
+    books = [torch.randn(2, 2, 4, 8), torch.randn(2, 1, 4, 8)]
+    tables = joint_tables(books)
+    with pytest.raises(ValueError, match="2 codebook sets, 1 inputs"):
+        encode_joint([torch.randn(1, 2, 3, 8)], tables)
+    with pytest.raises(ValueError, match=r"inputs must all be \(batch, 2, seq, 8\)"):
+        encode_joint([torch.randn(1, 2, 3, 8), torch.randn(1, 2, 4, 8)], tables)
+    with pytest.raises(ValueError, match="equal"):
+        joint_tables([torch.randn(2, 1, 4, 8), torch.randn(3, 1, 4, 8)])
 
 
 def test_train_rvq_shapes_pooled_and_prefix():

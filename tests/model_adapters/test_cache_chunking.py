@@ -76,7 +76,7 @@ def chunkings(draw):
     arch=st.sampled_from(["gpt2", "qwen3"]),
     sinks=st.integers(0, 3),
     recent=st.integers(0, 6),
-    block=st.sampled_from([1, 1, 2, 3]),
+    block=st.sampled_from([1, 1, 2, 3, 16]),
     chunks=chunkings(),
 )
 def test_any_chunking_computes_token_by_token_logits(kind, arch, sinks, recent, block, chunks):
