@@ -15,7 +15,8 @@ the model's, so the codes are the whole cache and a resumed cache equals the one
 written, bit for bit. Code rows go to the archive at each :meth:`FsqArchive.checkpoint` (rows not
 yet written are the only thing a killed process loses; rows past the checkpoint, from a
 checkpoint cut short, are dropped on resume). A crop of the cache is followed by the streams at
-the next model call or checkpoint.
+the next model call or checkpoint, the recorded length lowered first (a process killed in between
+resumes at the crop).
 """
 
 from __future__ import annotations
@@ -47,10 +48,18 @@ class FsqArchive(FedArchive):
         self._modules = attention_layers(model)
 
     def _before_feed(self) -> None:
+        """After a crop, cut both streams to the cache's length (rows of cropped positions
+        would otherwise be read as those fed next). The checkpoint's length is lowered and
+        flushed first, so a process killed in between leaves an archive that resumes."""
         length = self.cache.get_seq_length()
-        if len(self.tokens) > length:  # cropped since the last call
+        if len(self.tokens) <= length and len(self.codes) <= length:
+            return
+        if int(self.archive.attrs.get("serving_length", 0)) > length:
+            self.archive.attrs["serving_length"] = length
+            self.archive.flush()
+        if len(self.tokens) > length:
             self._truncate_tokens(length)
-        if len(self.codes) > length:  # rows of cropped positions would be read as new ones
+        if len(self.codes) > length:
             self.codes.truncate(length)
 
     def checkpoint(self) -> None:

@@ -104,6 +104,8 @@ def test_crop_is_followed_by_the_streams(model, tmp_path):
         ar.cache.crop(22)
         other = _ids(4, seed=8)  # other tokens where the cropped ones were
         ar.forward(model, other)
+        # a process killed now must find a checkpoint its streams still cover
+        assert ar.archive.attrs["serving_length"] <= min(len(ar.codes), len(ar.tokens))
         fresh = FSQCache(model)
         _logits(model, torch.cat([ids[:, :22], other], 1), fresh)
         k, _ = ar.rehydrate([21, 22, 25])
