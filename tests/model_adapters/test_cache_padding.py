@@ -163,6 +163,20 @@ def padded_forward(model, cache, ids, pads, start):
                      **{cache_kwarg(model): cache}).logits
 
 
+def chunked_with_drafts(model, cache, batch, pads, chunks, drafts):
+    """Feed ``batch`` in ``chunks`` of ``(size, rejected)``: each chunk carries ``rejected``
+    draft tokens cropped away afterwards, as assisted decoding does. Returns the kept
+    positions' logits and the length fed."""
+    got, start = [], 0
+    for size, rejected in chunks:
+        ids = torch.cat([batch[:, start : start + size], drafts[:, :rejected]], 1)
+        got.append(padded_forward(model, cache, ids, pads, start)[:, :size])
+        if rejected:
+            cache.crop(-rejected)
+        start += size
+    return torch.cat(got, 1), start
+
+
 @KINDS
 @ARCHS
 @pytest.mark.parametrize("block", [1, 2])
@@ -179,15 +193,10 @@ def test_padded_chunks_and_crops_compute_each_sequence_alone(kind, arch, block):
         cache = new_cache()
         wants.append(torch.cat([padded_forward(model, cache, s[:, t : t + 1], [0], t)
                                 for t in range(s.shape[1])], 1))
-    cache, got, start = new_cache(), [], 0
+    cache = new_cache()
     drafts = torch.randint(2, 100, (2, 4), generator=g)
-    for size, rejected in [(9, 0), (3, 4), (1, 2), (5, 0), (1, 0), (4, 3)]:
-        ids = torch.cat([batch[:, start : start + size], drafts[:, :rejected]], 1)
-        got.append(padded_forward(model, cache, ids, pads, start)[:, :size])
-        if rejected:
-            cache.crop(-rejected)
-        start += size
-    got = torch.cat(got, 1)
+    got, start = chunked_with_drafts(model, cache, batch, pads,
+                                     [(9, 0), (3, 4), (1, 2), (5, 0), (1, 0), (4, 3)], drafts)
     assert start == 23 and cache.get_seq_length() == 23
     torch.testing.assert_close(got[:1, 7:], wants[0], **tolerance(kind))
     torch.testing.assert_close(got[1:], wants[1], **tolerance(kind))
@@ -304,14 +313,8 @@ def test_any_padding_and_chunking_computes_each_sequence_alone(kind, arch, sinks
     for b, p in enumerate(pads):
         batch[b, :p] = 0
     drafts = torch.randint(2, 100, (len(pads), 8), generator=torch.Generator().manual_seed(9))
-    cache, got, start = new_cache(), [], 0
-    for size, rejected in chunks:
-        ids = torch.cat([batch[:, start : start + size], drafts[:, :rejected]], 1)
-        got.append(padded_forward(model, cache, ids, pads, start)[:, :size])
-        if rejected:
-            cache.crop(-rejected)
-        start += size
-    got = torch.cat(got, 1)
+    cache = new_cache()
+    got, start = chunked_with_drafts(model, cache, batch, pads, chunks, drafts)
     assert cache.archived_per_sequence() == [
         archive_end(N - p, sinks, recent, block) - sinks for p in pads]
     key = tuple(sorted(window.items()))
