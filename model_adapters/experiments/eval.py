@@ -538,7 +538,8 @@ def run(args) -> dict:
 
                 base = (perplexity(nlls), perplexity(nlls[args.tokens // 2 - 1 :]))
             rows.append(_summarise(cfg, nlls, base, storage, shape, args.tokens, seconds))
-        calibration = calibration_ids(split.train_segments, min(context, 1024))
+        calibration = (calibration_ids(split.train_segments, min(context, 1024))
+                       if args.fsq_configs else None)
         for name in args.fsq_configs:
             converted = convert_or_load(name, model, bottlenecks=args.bottlenecks,
                                         calibration=calibration.to(device),
