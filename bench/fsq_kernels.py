@@ -172,41 +172,60 @@ def time_rvq(shape, context, batch):
             "rvq_bytes_per_token": shape["kv_heads"] * (ks + vs)}
 
 
-def sweep(batch=8, context=131072):
-    """Block size and warps of the split kernel, and the split count, at one shape of the
-    Qwen3 configs the kernel takes."""
+def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
+    """The split kernel's tuning knobs (positions per step, warps, pipeline stages, transposed
+    scores, programs per multiprocessor) at a few shapes of the Qwen3 configs the kernel
+    takes, CUDA-graph time. Every variant is first checked against the float32 reference on
+    a ``check_context`` case (a wrong variant is recorded as such, never timed). Returns the
+    rows and, per config, the fastest correct setting at the first point."""
+    import itertools
+
     import torch
+    from fsq_cases import assert_rows_close
 
-    from kernels import _fsq, validate_fsq_args
+    from kernels import _fsq, reference_fsq_decode_attention, validate_fsq_args
+    from kernels._fsq_plan import SPLIT_TUNING
 
-    out = []
+    out, best = [], {}
+    knobs = list(itertools.product((64, 128), (4, 8), (1, 2, 3), (False, True)))
     for name, shape, width, levels in CONFIGS[1:3]:
-        case = fsq_case(shape, width, levels, context, batch, name.startswith("qwen3"))
-        problem = validate_fsq_args(**case)
-        for block_n in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (1,):
-                    call = functools.partial(_fsq.decode, problem, num_warps=warps,
-                                             block_n=block_n, num_stages=stages)
-                    try:
-                        ms = time_ms(call, graph=True)
-                    except Exception as exc:  # noqa: BLE001 (out of resources: record it)
-                        ms = f"{type(exc).__name__}"
-                    row = {"config": name, "block_n": block_n, "warps": warps,
-                           "stages": stages, "graph_ms": ms}
-                    out.append(row)
-                    print(json.dumps(row), flush=True)
-        for factor in (0.5, 2, 4):
-            from kernels._fsq_plan import choose_num_splits
-
-            splits = max(1, int(choose_num_splits(problem) * factor))
-            row = {"config": name, "splits": splits,
-                   "graph_ms": time_ms(functools.partial(_fsq.decode, problem, num_splits=splits),
-                                       graph=True)}
-            out.append(row)
-            print(json.dumps(row), flush=True)
+        rope = name.startswith("qwen3")
+        small = fsq_case(shape, width, levels, check_context, 2, rope)
+        small_problem = validate_fsq_args(**small)
+        ref = reference_fsq_decode_attention(**small, out_dtype=torch.float32)
+        cases = {pt: validate_fsq_args(**fsq_case(shape, width, levels, pt[1], pt[0], rope))
+                 for pt in points}
+        for block_n, warps, stages, trans in knobs:
+            for per_sm in (2, 4, 8):
+                tune = {"block_n": block_n, "num_warps": warps, "num_stages": stages,
+                        "transposed": trans, "programs_per_sm": per_sm}
+                row = {"config": name, **tune}
+                saved = dict(SPLIT_TUNING)
+                SPLIT_TUNING.update(tune)
+                try:
+                    if per_sm == 2:  # correctness does not depend on the split count
+                        assert_rows_close(_fsq.decode(small_problem), ref)
+                    for (batch, context), problem in cases.items():
+                        row[f"b{batch}_{context}_ms"] = time_ms(
+                            functools.partial(_fsq.decode, problem), graph=True)
+                except AssertionError as exc:
+                    row["wrong"] = str(exc)
+                except Exception as exc:  # noqa: BLE001 (out of resources: record it)
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+                finally:
+                    SPLIT_TUNING.clear()
+                    SPLIT_TUNING.update(saved)
+                out.append(row)
+                print(json.dumps(row), flush=True)
+                if "wrong" in row or "error" in row:
+                    break
+        key = f"b{points[0][0]}_{points[0][1]}_ms"
+        timed = [r for r in out if r["config"] == name and key in r]
+        if timed:
+            best[name] = min(timed, key=lambda r: r[key])
+        del cases
         torch.cuda.empty_cache()
-    return out
+    return {"rows": out, "best": best}
 
 
 def print_table(data, min_context=0):
@@ -275,7 +294,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench/results/fsq_kernels.json"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time the split kernel's knobs first")
+    ap.add_argument("--no-grid", action="store_true", help="with --sweep: only the sweep")
     ap.add_argument("--plot", type=Path, help="print the table of a saved result")
     ap.add_argument("--figure", type=Path, default=Path("docs/kernels_fsq.png"),
                     help="with --plot: where the figure goes")
@@ -290,10 +310,12 @@ def main(argv=None):
     data = {}
     if args.sweep:
         data["sweep"] = sweep()
-    data.update(run_grid(contexts, batches))
+    if not args.no_grid:
+        data.update(run_grid(contexts, batches))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1))
-    print_table(data)
+    if "rows" in data:
+        print_table(data)
 
 
 if __name__ == "__main__":

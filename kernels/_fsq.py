@@ -26,8 +26,8 @@ import triton.language as tl
 
 from kernels._common import LOG2E, NEG_BIG, exact_tokens, interpreted, launchable
 from kernels._fsq_plan import (
-    BLOCK_N,
     ROPE_RADIX_BITS,
+    SPLIT_TUNING,
     FsqProblem,
     kernel_limit,
     rope_kind,
@@ -38,57 +38,74 @@ from kernels._fsq_plan import (
 from kernels._plan import pow2
 from kernels._validate import check_num_splits
 
+_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 RADIX_BITS = tl.constexpr(ROPE_RADIX_BITS)
 RADIX_MASK = tl.constexpr((1 << ROPE_RADIX_BITS) - 1)
 
 
 @triton.jit
-def _unpack(row_ptr, n_ok, c, c_ok, BITS: tl.constexpr):
-    """Codes ``(BLOCK_N, BLOCK_W)`` int32 of the packed rows at ``row_ptr`` ``(BLOCK_N,)``:
-    coordinate ``c`` sits at stream bit ``c * BITS`` (little-endian)."""
-    bit = c * BITS
-    byte = tl.load(row_ptr[:, None] + (bit >> 3)[None, :], mask=n_ok[:, None] & c_ok[None, :],
-                   other=0)
-    return (byte.to(tl.int32) >> (bit & 7)[None, :]) & ((1 << BITS) - 1)
+def _unpack(rows, n_ok, NBYTES, BITS: tl.constexpr, SUBS: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_B: tl.constexpr, DTYPE: tl.constexpr):
+    """Codes ``(BLOCK_N, BLOCK_B * SUBS)`` in ``DTYPE`` (exact: levels <= 256) of the packed
+    rows at ``rows`` ``(BLOCK_N,)``: each byte is loaded once and its ``SUBS = 8 // BITS``
+    coordinates are split off in place, so coordinate ``byte * SUBS + j`` is bits ``j * BITS``
+    of its byte (the packing contract). Coordinates past the row are zero."""
+    j = tl.arange(0, BLOCK_B)
+    byte = tl.load(rows[:, None] + j[None, :], mask=n_ok[:, None] & (j < NBYTES)[None, :],
+                   other=0).to(tl.int32)
+    if SUBS == 1:
+        z = byte
+    else:
+        shift = tl.arange(0, SUBS) * BITS
+        z = tl.reshape((byte[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1),
+                       (BLOCK_N, BLOCK_B * SUBS))
+    # via float32: the interpreter casts int32 to bfloat16 as raw bits (exact either way)
+    return z.to(tl.float32).to(DTYPE)
 
 
 @triton.jit
-def _mm(a, b, acc, WIDEN: tl.constexpr, TF32: tl.constexpr):
-    """``a @ b + acc`` in float32. ``WIDEN`` (Triton's interpreter, whose products read
-    bfloat16 operands as raw integers) multiplies the operands' exact float32 values; ``TF32``
-    (float32 operands) rounds them to tf32."""
-    if WIDEN:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+def _mm(a, b, acc, TF32: tl.constexpr):
+    """``a @ b + acc`` in float32; ``TF32`` (float32 operands) rounds them to tf32."""
     if TF32:
         return tl.dot(a, b, acc, input_precision="tf32")
     return tl.dot(a, b, acc)
 
 
 @triton.jit
-def _key_half(codes, dec_ptr, c, c_ok, dd, dd_ok, kd_sd, kd_sw, zero, WIDEN: tl.constexpr,
-              DEC_F32: tl.constexpr):
-    """``codes @ decoder[dd, :]^T``: ``(BLOCK_N, BLOCK_H)`` float32 (one half of the keys)."""
-    dec = tl.load(dec_ptr + dd[None, :] * kd_sd + c[:, None] * kd_sw,
-                  mask=c_ok[:, None] & dd_ok[None, :], other=0.0)
-    # via float32: the interpreter casts int32 to bfloat16 as raw bits (exact either way)
-    return _mm(codes.to(tl.float32).to(dec.dtype), dec, zero, WIDEN, DEC_F32)
+def _angle_sum(cos_a, sin_a, cos_b, sin_b):
+    """``(cos(a + b), sin(a + b))``."""
+    return cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
 
 
 @triton.jit
-def _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, n_ok, dd, dd_ok, HALF,
+def _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, base, n_ok, dd, dd_ok, HALF,
                  ROPE: tl.constexpr):
-    """``(cos1, sin1, cos2, sin2)`` ``(BLOCK_N, BLOCK_H)`` for the first and second key halves at
-    positions ``pos``."""
+    """``(cos1, sin1, cos2, sin2)`` ``(BLOCK_N, BLOCK_H)`` float32 for the first and second key
+    halves at positions ``pos``; ``base`` is the block's first position."""
     ok = n_ok[:, None] & dd_ok[None, :]
     if ROPE == 1:  # theta: angle(pos) = angle(hi * 2^11) + angle(lo), both from exact tables
-        lo = (pos & RADIX_MASK)[:, None] * HALF + dd[None, :]
-        hi = (pos >> RADIX_BITS)[:, None] * HALF + dd[None, :]
-        cl = tl.load(cos_a + lo, mask=ok, other=1.0)
-        sl = tl.load(sin_a + lo, mask=ok, other=0.0)
-        ch = tl.load(cos_b + hi, mask=ok, other=1.0)
-        sh = tl.load(sin_b + hi, mask=ok, other=0.0)
-        cos = cl * ch - sl * sh
-        sin = sl * ch + cl * sh
+        off = tl.where(n_ok, pos - base, 0)
+        if (tl.min(off, axis=0) >= 0) & (tl.max(off, axis=0) <= RADIX_MASK):
+            # positions within 2^11 after the block's first (consecutive, as a cache holds
+            # them): angle(base) once as a vector, angle(off) from the low table's first
+            # rows, the same rows for every block (they stay in L1)
+            lo = (base & RADIX_MASK) * HALF + dd
+            hi = (base >> RADIX_BITS) * HALF + dd
+            cb, sb = _angle_sum(tl.load(cos_a + lo, mask=dd_ok, other=1.0),
+                                tl.load(sin_a + lo, mask=dd_ok, other=0.0),
+                                tl.load(cos_b + hi, mask=dd_ok, other=1.0),
+                                tl.load(sin_b + hi, mask=dd_ok, other=0.0))
+            rows = off[:, None] * HALF + dd[None, :]
+            cos, sin = _angle_sum(tl.load(cos_a + rows, mask=ok, other=1.0),
+                                  tl.load(sin_a + rows, mask=ok, other=0.0),
+                                  cb[None, :], sb[None, :])
+        else:
+            lo = (pos & RADIX_MASK)[:, None] * HALF + dd[None, :]
+            hi = (pos >> RADIX_BITS)[:, None] * HALF + dd[None, :]
+            cos, sin = _angle_sum(tl.load(cos_a + lo, mask=ok, other=1.0),
+                                  tl.load(sin_a + lo, mask=ok, other=0.0),
+                                  tl.load(cos_b + hi, mask=ok, other=1.0),
+                                  tl.load(sin_b + hi, mask=ok, other=0.0))
         return cos, sin, cos, sin
     else:  # explicit (max_position, head_dim) tables, transformers' layout
         row = pos.to(tl.int64)[:, None] * (2 * HALF) + dd[None, :]
@@ -102,11 +119,12 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
                   cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_ptr, qk_scale, eps,
                   q_sb, q_sh, c_sb, c_sn, p_sb, p_sn, kd_sh, kd_sd, kd_sw, kb_sh,
                   a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp,
-                  KV_HEADS, GROUP, HALF, WIDTH, SPLIT_LEN,
-                  BITS: tl.constexpr, ROPE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HAS_NORM: tl.constexpr, HAS_POS: tl.constexpr, DEC_F32: tl.constexpr,
-                  WIDEN: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                  KV_HEADS, GROUP, HALF, WIDTH, NBYTES, SPLIT_LEN,
+                  BITS: tl.constexpr, SUBS: tl.constexpr, ROPE: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_POS: tl.constexpr,
+                  DEC_F32: tl.constexpr, WIDEN: tl.constexpr, TRANS: tl.constexpr,
+                  CODE_T: tl.constexpr, Q_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr,
                   BLOCK_H: tl.constexpr):
     split = tl.program_id(0)
     pid = tl.program_id(1)
@@ -122,11 +140,18 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
         dd_ok = dd < HALF
         c = tl.arange(0, BLOCK_W)
         c_ok = c < WIDTH
-        q_rows = q_ptr + b * q_sb + heads[:, None] * q_sh + dd[None, :]
+        # the decoder halves (width, head_dim / 2), loaded once per program
+        dec = kd_ptr + kvh * kd_sh + dd[None, :] * kd_sd + c[:, None] * kd_sw
+        dec_ok = c_ok[:, None] & dd_ok[None, :]
+        dec1 = tl.load(dec, mask=dec_ok, other=0.0).to(CODE_T)
+        dec2 = tl.load(dec + HALF * kd_sd, mask=dec_ok, other=0.0).to(CODE_T)
         q_ok = g_ok[:, None] & dd_ok[None, :]
-        q1 = tl.load(q_rows, mask=q_ok, other=0.0)
-        q2 = tl.load(q_rows + HALF, mask=q_ok, other=0.0)
-        dec = kd_ptr + kvh * kd_sh
+        q_rows = q_ptr + b * q_sb + heads[:, None] * q_sh + dd[None, :]
+        q1 = tl.load(q_rows, mask=q_ok, other=0.0).to(Q_T)
+        q2 = tl.load(q_rows + HALF, mask=q_ok, other=0.0).to(Q_T)
+        if TRANS:
+            q1 = tl.trans(q1)
+            q2 = tl.trans(q2)
         if HAS_BIAS:
             b1 = tl.load(kb_ptr + kvh * kb_sh + dd, mask=dd_ok, other=0.0).to(tl.float32)
             b2 = tl.load(kb_ptr + kvh * kb_sh + HALF + dd, mask=dd_ok, other=0.0).to(tl.float32)
@@ -135,17 +160,21 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
             w2 = tl.load(kn_ptr + HALF + dd, mask=dd_ok, other=0.0).to(tl.float32)
         sink = tl.load(slen_ptr + b)
         row_base = codes_ptr + b.to(tl.int64) * c_sb
+        pos_base = pos_ptr + b.to(tl.int64) * p_sb
         m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
+        if TRANS:
+            acc = tl.zeros([BLOCK_W, BLOCK_M], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < end
-            codes = _unpack(row_base + n.to(tl.int64) * c_sn, n_ok, c, c_ok, BITS)
+            z = _unpack(row_base + n.to(tl.int64) * c_sn, n_ok, NBYTES, BITS, SUBS, BLOCK_N,
+                        BLOCK_B, CODE_T)
             zero = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
-            k1 = _key_half(codes, dec, c, c_ok, dd, dd_ok, kd_sd, kd_sw, zero, WIDEN, DEC_F32)
-            k2 = _key_half(codes, dec + HALF * kd_sd, c, c_ok, dd, dd_ok, kd_sd, kd_sw, zero,
-                           WIDEN, DEC_F32)
+            k1 = _mm(z, dec1, zero, DEC_F32)
+            k2 = _mm(z, dec2, zero, DEC_F32)
             if HAS_BIAS:
                 k1 += b1[None, :]
                 k2 += b2[None, :]
@@ -156,27 +185,44 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
                 k2 = k2 * r[:, None] * w2[None, :]
             if ROPE > 0:
                 if HAS_POS:
-                    pos = tl.load(pos_ptr + b.to(tl.int64) * p_sb + n * p_sn, mask=n_ok,
-                                  other=0).to(tl.int32)
+                    pos = tl.load(pos_base + n * p_sn, mask=n_ok, other=0).to(tl.int32)
+                    base = tl.load(pos_base + n0 * p_sn).to(tl.int32)
                 else:
                     pos = sink + n
-                cos1, sin1, cos2, sin2 = _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, n_ok, dd,
-                                                      dd_ok, HALF, ROPE)
+                    base = sink + n0
+                cos1, sin1, cos2, sin2 = _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, base,
+                                                      n_ok, dd, dd_ok, HALF, ROPE)
                 k1, k2 = k1 * cos1 - k2 * sin1, k2 * cos2 + k1 * sin2
-            # keys rounded to the query's dtype, as a dense cache holds them
-            score = _mm(q1, tl.trans(k1.to(q1.dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
-                        WIDEN, False)
-            score = _mm(q2, tl.trans(k2.to(q2.dtype)), score, WIDEN, False) * qk_scale
-            score = tl.where(n_ok[None, :], score, float("-inf"))
-            m_new = tl.maximum(m, tl.max(score, axis=1))
-            alpha = tl.math.exp2(m - m_new)
-            # float16 weights: codes (< 256) are exact, the sum uses the rounded weights too
-            p = tl.math.exp2(score - m_new[:, None]).to(tl.float16)
-            l = l * alpha + tl.sum(p.to(tl.float32), axis=1)
-            acc = _mm(p, codes.to(tl.float16), acc * alpha[:, None], WIDEN, False)
+            # keys rounded to the query's dtype (as a dense cache holds them); the weights to
+            # the codes' dtype (the codes are exact in it, the weight sum uses the rounded
+            # weights too)
+            if TRANS:  # (positions, heads): every product has >= 64 rows
+                score = _mm(k1.to(Q_T), q1, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), False)
+                score = _mm(k2.to(Q_T), q2, score, False) * qk_scale
+                score = tl.where(n_ok[:, None], score, float("-inf"))
+                m_new = tl.maximum(m, tl.max(score, axis=0))
+                alpha = tl.math.exp2(m - m_new)
+                p = tl.math.exp2(score - m_new[None, :]).to(CODE_T)
+                l = l * alpha + tl.sum(p.to(tl.float32), axis=0)
+                acc = _mm(tl.trans(z), p, acc * alpha[None, :], DEC_F32)
+            else:
+                score = _mm(q1, tl.trans(k1.to(Q_T)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
+                            False)
+                score = _mm(q2, tl.trans(k2.to(Q_T)), score, False) * qk_scale
+                score = tl.where(n_ok[None, :], score, float("-inf"))
+                m_new = tl.maximum(m, tl.max(score, axis=1))
+                alpha = tl.math.exp2(m - m_new)
+                p = tl.math.exp2(score - m_new[:, None]).to(CODE_T)
+                l = l * alpha + tl.sum(p.to(tl.float32), axis=1)
+                acc = _mm(p, z, acc * alpha[:, None], DEC_F32)
             m = m_new
-        out = acc_ptr + b * a_sb + heads[:, None] * a_sh + split * a_sp + c[None, :]
-        tl.store(out, acc, mask=g_ok[:, None])
+        out = acc_ptr + b * a_sb + split * a_sp
+        if TRANS:
+            tl.store(out + heads[None, :] * a_sh + c[:, None], acc,
+                     mask=c_ok[:, None] & g_ok[None, :])
+        else:
+            tl.store(out + heads[:, None] * a_sh + c[None, :], acc,
+                     mask=g_ok[:, None] & c_ok[None, :])
         ml = ml_ptr + b * ml_sb + heads * ml_sh + split * ml_sp
         tl.store(ml, m, mask=g_ok)
         tl.store(ml + 1, l, mask=g_ok)
@@ -238,15 +284,20 @@ def _merge_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, ale
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
-def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int = 4,
-           block_n: int = BLOCK_N, num_stages: int = 1) -> torch.Tensor:
+def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int | None = None,
+           block_n: int | None = None, num_stages: int | None = None,
+           transposed: bool | None = None) -> torch.Tensor:
     """Run the two kernels on a validated problem; ``(batch, q_heads, head_dim)`` in the
-    query's dtype. ``block_n`` (positions per step, a power of two >= 16), ``num_warps`` and
-    ``num_stages`` of the split kernel are tuning knobs. Never waits for the GPU."""
+    query's dtype. ``block_n`` (positions per step, a power of two >= 16), ``num_warps``,
+    ``num_stages`` and ``transposed`` (scores as ``keys @ query^T``) of the split kernel are
+    tuning knobs (``None``: :data:`~kernels._fsq_plan.SPLIT_TUNING`). Never waits for the
+    GPU."""
     p = problem
     reason = kernel_limit(p)
     if reason is not None:
         raise ValueError(f"backend='triton': {reason}")
+    tune = SPLIT_TUNING
+    block_n = tune["block_n"] if block_n is None else block_n
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     check_num_splits(num_splits)
@@ -256,8 +307,8 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
     half = head_dim // 2
     split_len, splits = splits_for(p, num_splits, block_n)
     device = p.query.device
-    block_w = pow2(width, 16)
-    acc = torch.empty(batch, q_heads, splits, block_w, dtype=torch.float32, device=device)
+    acc = torch.empty(batch, q_heads, splits, pow2(width, 16), dtype=torch.float32,
+                      device=device)
     ml = torch.empty(batch, q_heads, splits, 2, dtype=torch.float32, device=device)
     codes = p.codes
     if codes.shape[1] == 0:  # no archived slot: real (never read) memory for the launcher
@@ -277,16 +328,26 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
     kn = p.k_norm if p.k_norm is not None else kd
     qk_scale = p.scale * LOG2E
     block_m = max(16, pow2(group))
+    bits = uniform_bits(p.levels)
+    subs = 8 // bits
+    nbytes = codes.shape[2]
+    block_b = max(pow2(nbytes), 16 // subs)
+    widen = interpreted()  # the interpreter reads bfloat16 dot operands as raw bits
+    code_t = tl.float32 if widen or kd.dtype == torch.float32 else _TL[kd.dtype]
     _split_kernel[(splits, batch * kv_heads)](
         p.query, codes, pos, p.archived_lengths, p.sink_lengths, kd, kb, kn,
         cos_a, sin_a, cos_b, sin_b, acc, ml, qk_scale, p.eps,
         p.query.stride(0), p.query.stride(1), codes.stride(0), codes.stride(1), p_sb, p_sn,
         *kd.stride(), kb.stride(0), *acc.stride()[:3], *ml.stride()[:3],
-        kv_heads, group, half, width, split_len,
-        BITS=uniform_bits(p.levels), ROPE=kind, HAS_BIAS=p.key_bias is not None,
+        kv_heads, group, half, width, nbytes, split_len,
+        BITS=bits, SUBS=subs, ROPE=kind, HAS_BIAS=p.key_bias is not None,
         HAS_NORM=p.k_norm is not None, HAS_POS=p.positions is not None,
-        DEC_F32=kd.dtype == torch.float32, WIDEN=interpreted(), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_W=block_w, BLOCK_H=pow2(half, 16), num_warps=num_warps, num_stages=num_stages)
+        DEC_F32=kd.dtype == torch.float32, WIDEN=widen,
+        TRANS=tune["transposed"] if transposed is None else transposed,
+        CODE_T=code_t, Q_T=tl.float32 if widen else _TL[p.query.dtype], BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_W=block_b * subs, BLOCK_H=pow2(half, 16),
+        num_warps=tune["num_warps"] if num_warps is None else num_warps,
+        num_stages=tune["num_stages"] if num_stages is None else num_stages)
     sk, sv, rk, rv = (launchable(t) for t in (p.sink_keys, p.sink_values, p.recent_keys,
                                                 p.recent_values))
     vd = p.value_decoder
@@ -299,5 +360,5 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
         *acc.stride()[:3], *ml.stride()[:3], *vd.stride(), vb.stride(0),
         out.stride(0), out.stride(1), kv_heads, group, head_dim, width, split_len,
         HAS_BIAS=p.value_bias is not None, BLOCK_M=block_m, BLOCK_D=pow2(head_dim, 16),
-        BLOCK_W=block_w, BLOCK_E=16, num_warps=4)
+        BLOCK_W=pow2(width, 16), BLOCK_E=16, num_warps=4)
     return out

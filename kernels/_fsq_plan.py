@@ -26,7 +26,11 @@ MAX_KERNEL_HEAD_DIM = 256
 ROPE_RADIX_BITS = 11  # theta mode: position = hi * 2^11 + lo, one angle table per part
 MAX_THETA_POSITION = 1 << (2 * ROPE_RADIX_BITS)  # 4,194,304: positions the theta tables cover
 MIN_SPLIT_LEN = 256  # archived positions per split program, at least
-BLOCK_N = 64  # positions per step of a split program
+# the split kernel's defaults: positions per step, warps, software-pipeline stages, and
+# whether scores are computed transposed (keys @ query^T: every product has >= 64 rows), and
+# the split programs aimed at per multiprocessor over all (batch, kv head) pairs
+SPLIT_TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 1, "transposed": False,
+                "programs_per_sm": 2}
 
 
 def level_list(levels, width: int) -> tuple[int, ...]:
@@ -155,11 +159,12 @@ def choose_num_splits(problem: FsqProblem) -> int:
     if capacity == 0:
         return 1
     pairs = problem.query.shape[0] * problem.kv_heads
-    wanted = math.ceil(2 * multiprocessors(problem.query.device) / pairs)
+    per_sm = SPLIT_TUNING["programs_per_sm"]
+    wanted = math.ceil(per_sm * multiprocessors(problem.query.device) / pairs)
     return max(1, min(wanted, math.ceil(capacity / MIN_SPLIT_LEN), MAX_SPLITS))
 
 
-def splits_for(problem: FsqProblem, num_splits: int | None, block_n: int = BLOCK_N):
+def splits_for(problem: FsqProblem, num_splits: int | None, block_n: int):
     """``(split length, splits)`` the kernel runs."""
     wanted = choose_num_splits(problem) if num_splits is None else num_splits
     return split_layout(problem.codes.shape[1], wanted, block_n)
