@@ -89,12 +89,12 @@ def _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, base, n_ok, dd, dd_ok, HALF,
             # positions within 2^11 after the block's first (consecutive, as a cache holds
             # them): angle(base) once as a vector, angle(off) from the low table's first
             # rows, the same rows for every block (they stay in L1)
-            lo = (base & RADIX_MASK) * HALF + dd
-            hi = (base >> RADIX_BITS) * HALF + dd
-            cb, sb = _angle_sum(tl.load(cos_a + lo, mask=dd_ok, other=1.0),
-                                tl.load(sin_a + lo, mask=dd_ok, other=0.0),
-                                tl.load(cos_b + hi, mask=dd_ok, other=1.0),
-                                tl.load(sin_b + hi, mask=dd_ok, other=0.0))
+            base_lo = (base & RADIX_MASK) * HALF + dd
+            base_hi = (base >> RADIX_BITS) * HALF + dd
+            cb, sb = _angle_sum(tl.load(cos_a + base_lo, mask=dd_ok, other=1.0),
+                                tl.load(sin_a + base_lo, mask=dd_ok, other=0.0),
+                                tl.load(cos_b + base_hi, mask=dd_ok, other=1.0),
+                                tl.load(sin_b + base_hi, mask=dd_ok, other=0.0))
             rows = off[:, None] * HALF + dd[None, :]
             cos, sin = _angle_sum(tl.load(cos_a + rows, mask=ok, other=1.0),
                                   tl.load(sin_a + rows, mask=ok, other=0.0),
