@@ -103,7 +103,9 @@ def dense_bytes(shape, context, batch):
     return batch * hkv * context * d * 2 * 2 + batch * hq * d * 2 * 2
 
 
-def run_grid(contexts, batches, graphs=True, rvq=True):
+def run_grid(contexts, batches, graphs=True, rvq=True, tuning=None):
+    """The table's rows; ``tuning`` (config name -> split-kernel settings, e.g. the sweep's
+    best) is applied to the kernel's defaults for that config's rows."""
     import torch
     import torch.nn.functional as F
 
@@ -114,8 +116,12 @@ def run_grid(contexts, batches, graphs=True, rvq=True):
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s",
           flush=True)
     rows = []
+    from kernels._fsq_plan import SPLIT_TUNING
+
     for name, shape, width, levels in CONFIGS:
         rope = name.startswith("qwen3")
+        if tuning and name in tuning:
+            SPLIT_TUNING.update({k: v for k, v in tuning[name].items() if k in SPLIT_TUNING})
         for batch in batches:
             for context in contexts:
                 case = fsq_case(shape, width, levels, context, batch, rope)
@@ -172,9 +178,9 @@ def time_rvq(shape, context, batch):
             "rvq_bytes_per_token": shape["kv_heads"] * (ks + vs)}
 
 
-def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
-    """The split kernel's tuning knobs (positions per step, warps, pipeline stages, transposed
-    scores, programs per multiprocessor) at a few shapes of the Qwen3 configs the kernel
+def sweep(points=((8, 131072), (1, 32768)), check_context=4096, transposed=(False,)):
+    """The split kernel's tuning knobs (positions per step, warps, transposed scores, register
+    prefetch of the next block, programs per multiprocessor) at a few shapes of the Qwen3 configs the kernel
     takes, CUDA-graph time. Every variant is first checked against the float32 reference on
     a ``check_context`` case (a wrong variant is recorded as such, never timed). Returns the
     rows and, per config, the fastest correct setting at the first point."""
@@ -187,7 +193,7 @@ def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
     from kernels._fsq_plan import SPLIT_TUNING
 
     out, best = [], {}
-    knobs = list(itertools.product((64, 128), (4, 8), (1,), (False, True)))
+    knobs = list(itertools.product((64, 128), (4, 8), (False, True), transposed))
     for name, shape, width, levels in CONFIGS[1:3]:
         rope = name.startswith("qwen3")
         small = fsq_case(shape, width, levels, check_context, 2, rope)
@@ -195,10 +201,10 @@ def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
         ref = reference_fsq_decode_attention(**small, out_dtype=torch.float32)
         cases = {pt: validate_fsq_args(**fsq_case(shape, width, levels, pt[1], pt[0], rope))
                  for pt in points}
-        for block_n, warps, stages, trans in knobs:
+        for block_n, warps, prefetch, trans in knobs:
             for per_sm in (1, 2, 4):
-                tune = {"block_n": block_n, "num_warps": warps, "num_stages": stages,
-                        "transposed": trans, "programs_per_sm": per_sm}
+                tune = {"block_n": block_n, "num_warps": warps, "num_stages": 1,
+                        "transposed": trans, "prefetch": prefetch, "programs_per_sm": per_sm}
                 row = {"config": name, **tune}
                 saved = dict(SPLIT_TUNING)
                 SPLIT_TUNING.update(tune)
@@ -296,6 +302,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time the split kernel's knobs first")
     ap.add_argument("--no-grid", action="store_true", help="with --sweep: only the sweep")
+    ap.add_argument("--transposed", action="store_true", help="the sweep also times "
+                    "transposed scores (slower in every measured setting)")
     ap.add_argument("--plot", type=Path, help="print the table of a saved result")
     ap.add_argument("--figure", type=Path, default=Path("docs/kernels_fsq.png"),
                     help="with --plot: where the figure goes")
@@ -308,10 +316,15 @@ def main(argv=None):
     contexts = [4096, 32768] if args.quick else [4096, 16384, 32768, 131072]
     batches = [1, 8] if args.quick else [1, 8, 32]
     data = {}
+    tuning = None
     if args.sweep:
-        data["sweep"] = sweep()
+        data["sweep"] = sweep(transposed=(False, True) if args.transposed else (False,))
+        tuning = data["sweep"]["best"]
+        # the gpt2 shape takes the setting of the Qwen3 config of the nearest width
+        tuning["gpt2 32x"] = tuning.get("qwen3-8b 32x")
     if not args.no_grid:
-        data.update(run_grid(contexts, batches))
+        data.update(run_grid(contexts, batches, tuning=tuning))
+        data["tuning"] = tuning
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1))
     if "rows" in data:

@@ -44,21 +44,38 @@ RADIX_MASK = tl.constexpr((1 << ROPE_RADIX_BITS) - 1)
 
 
 @triton.jit
-def _unpack(rows, n_ok, NBYTES, BITS: tl.constexpr, SUBS: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_B: tl.constexpr, DTYPE: tl.constexpr):
-    """Codes ``(BLOCK_N, BLOCK_B * SUBS)`` in ``DTYPE`` (exact: levels <= 256) of the packed
-    rows at ``rows`` ``(BLOCK_N,)``: each byte is loaded once and its ``SUBS = 8 // BITS``
-    coordinates are split off in place, so coordinate ``byte * SUBS + j`` is bits ``j * BITS``
-    of its byte (the packing contract). Coordinates past the row are zero."""
+def _load_rows(rows, n_ok, NBYTES: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The packed rows at ``rows`` ``(BLOCK_N,)``: ``(BLOCK_N, BLOCK_B)`` uint8, zero past a
+    row or a masked position."""
     j = tl.arange(0, BLOCK_B)
-    byte = tl.load(rows[:, None] + j[None, :], mask=n_ok[:, None] & (j < NBYTES)[None, :],
-                   other=0).to(tl.int32)
+    if NBYTES == BLOCK_B:  # whole rows: a mask constant along the row keeps the loads wide
+        return tl.load(rows[:, None] + j[None, :], mask=n_ok[:, None], other=0)
+    return tl.load(rows[:, None] + j[None, :], mask=n_ok[:, None] & (j < NBYTES)[None, :],
+                   other=0)
+
+
+@triton.jit
+def _unpack(byte, BITS: tl.constexpr, SUBS: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_B: tl.constexpr, DTYPE: tl.constexpr):
+    """Codes ``(BLOCK_N, BLOCK_B * SUBS)`` in ``DTYPE`` (exact: levels <= 256) of packed rows
+    ``byte`` ``(BLOCK_N, BLOCK_B)``: coordinate ``k * SUBS + j`` is bits ``j * BITS`` of byte
+    ``k`` (the packing contract). The ``SUBS = 8 // BITS`` fields of a byte are split off
+    and joined in place (``tl.join`` keeps them in the thread that loaded the byte)."""
+    x = byte.to(tl.int32)
+    mask = (1 << BITS) - 1
     if SUBS == 1:
-        z = byte
+        z = x
+    elif SUBS == 2:
+        z = tl.reshape(tl.join(x & mask, x >> 4), (BLOCK_N, BLOCK_B * 2))
+    elif SUBS == 4:
+        z = tl.reshape(tl.join(tl.join(x & mask, (x >> 4) & mask),
+                               tl.join((x >> 2) & mask, x >> 6)), (BLOCK_N, BLOCK_B * 4))
     else:
-        shift = tl.arange(0, SUBS) * BITS
-        z = tl.reshape((byte[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1),
-                       (BLOCK_N, BLOCK_B * SUBS))
+        z = tl.reshape(tl.join(tl.join(tl.join(x & 1, (x >> 4) & 1),
+                                       tl.join((x >> 2) & 1, (x >> 6) & 1)),
+                               tl.join(tl.join((x >> 1) & 1, (x >> 5) & 1),
+                                       tl.join((x >> 3) & 1, x >> 7))),
+                       (BLOCK_N, BLOCK_B * 8))
     # via float32: the interpreter casts int32 to bfloat16 as raw bits (exact either way)
     return z.to(tl.float32).to(DTYPE)
 
@@ -79,15 +96,15 @@ def _angle_sum(cos_a, sin_a, cos_b, sin_b):
 
 @triton.jit
 def _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, base, n_ok, dd, dd_ok, HALF,
-                 ROPE: tl.constexpr):
+                 ROPE: tl.constexpr, CONSECUTIVE: tl.constexpr):
     """``(cos1, sin1, cos2, sin2)`` ``(BLOCK_N, BLOCK_H)`` float32 for the first and second key
-    halves at positions ``pos``; ``base`` is the block's first position."""
+    halves at positions ``pos``; ``CONSECUTIVE``: ``pos`` is ``base + arange`` (base the
+    block's first position, below the RoPE table's 2^22)."""
     ok = n_ok[:, None] & dd_ok[None, :]
     if ROPE == 1:  # theta: angle(pos) = angle(hi * 2^11) + angle(lo), both from exact tables
-        off = tl.where(n_ok, pos - base, 0)
-        if (tl.min(off, axis=0) >= 0) & (tl.max(off, axis=0) <= RADIX_MASK):
-            # positions within 2^11 after the block's first (consecutive, as a cache holds
-            # them): angle(base) once as a vector, angle(off) from the low table's first
+        if CONSECUTIVE:
+            # positions base, base + 1, ... (as a cache without explicit positions holds them):
+            # angle(base) once as a vector, angle(pos - base) from the low table's first
             # rows, the same rows for every block (they stay in L1)
             base_lo = (base & RADIX_MASK) * HALF + dd
             base_hi = (base >> RADIX_BITS) * HALF + dd
@@ -95,7 +112,7 @@ def _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, base, n_ok, dd, dd_ok, HALF,
                                 tl.load(sin_a + base_lo, mask=dd_ok, other=0.0),
                                 tl.load(cos_b + base_hi, mask=dd_ok, other=1.0),
                                 tl.load(sin_b + base_hi, mask=dd_ok, other=0.0))
-            rows = off[:, None] * HALF + dd[None, :]
+            rows = (pos - base)[:, None] * HALF + dd[None, :]
             cos, sin = _angle_sum(tl.load(cos_a + rows, mask=ok, other=1.0),
                                   tl.load(sin_a + rows, mask=ok, other=0.0),
                                   cb[None, :], sb[None, :])
@@ -119,10 +136,11 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
                   cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_ptr, qk_scale, eps,
                   q_sb, q_sh, c_sb, c_sn, p_sb, p_sn, kd_sh, kd_sd, kd_sw, kb_sh,
                   a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp,
-                  KV_HEADS, GROUP, HALF, WIDTH, NBYTES, SPLIT_LEN,
+                  KV_HEADS, GROUP, HALF, WIDTH, SPLIT_LEN, NBYTES: tl.constexpr,
                   BITS: tl.constexpr, SUBS: tl.constexpr, ROPE: tl.constexpr,
                   HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_POS: tl.constexpr,
                   DEC_F32: tl.constexpr, WIDEN: tl.constexpr, TRANS: tl.constexpr,
+                  PREFETCH: tl.constexpr,
                   CODE_T: tl.constexpr, Q_T: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr,
                   BLOCK_H: tl.constexpr):
@@ -167,11 +185,20 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
             acc = tl.zeros([BLOCK_W, BLOCK_M], tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
+        step = tl.arange(0, BLOCK_N)
+        nxt = _load_rows(row_base + (start + step).to(tl.int64) * c_sn, start + step < end,
+                         NBYTES, BLOCK_B)
         for n0 in range(start, end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
+            n = n0 + step
             n_ok = n < end
-            z = _unpack(row_base + n.to(tl.int64) * c_sn, n_ok, NBYTES, BITS, SUBS, BLOCK_N,
-                        BLOCK_B, CODE_T)
+            if PREFETCH:  # the next block's rows load while this one is computed
+                byte = nxt
+                after = n + BLOCK_N
+                nxt = _load_rows(row_base + after.to(tl.int64) * c_sn, after < end, NBYTES,
+                                 BLOCK_B)
+            else:
+                byte = _load_rows(row_base + n.to(tl.int64) * c_sn, n_ok, NBYTES, BLOCK_B)
+            z = _unpack(byte, BITS, SUBS, BLOCK_N, BLOCK_B, CODE_T)
             zero = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
             k1 = _mm(z, dec1, zero, DEC_F32)
             k2 = _mm(z, dec2, zero, DEC_F32)
@@ -186,12 +213,10 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
             if ROPE > 0:
                 if HAS_POS:
                     pos = tl.load(pos_base + n * p_sn, mask=n_ok, other=0).to(tl.int32)
-                    base = tl.load(pos_base + n0 * p_sn).to(tl.int32)
                 else:
                     pos = sink + n
-                    base = sink + n0
-                cos1, sin1, cos2, sin2 = _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, base,
-                                                      n_ok, dd, dd_ok, HALF, ROPE)
+                cos1, sin1, cos2, sin2 = _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, sink + n0,
+                                                      n_ok, dd, dd_ok, HALF, ROPE, not HAS_POS)
                 k1, k2 = k1 * cos1 - k2 * sin1, k2 * cos2 + k1 * sin2
             # keys rounded to the query's dtype (as a dense cache holds them); the weights to
             # the codes' dtype (the codes are exact in it, the weight sum uses the rounded
@@ -339,11 +364,12 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
         cos_a, sin_a, cos_b, sin_b, acc, ml, qk_scale, p.eps,
         p.query.stride(0), p.query.stride(1), codes.stride(0), codes.stride(1), p_sb, p_sn,
         *kd.stride(), kb.stride(0), *acc.stride()[:3], *ml.stride()[:3],
-        kv_heads, group, half, width, nbytes, split_len,
+        kv_heads, group, half, width, split_len, NBYTES=nbytes,
         BITS=bits, SUBS=subs, ROPE=kind, HAS_BIAS=p.key_bias is not None,
         HAS_NORM=p.k_norm is not None, HAS_POS=p.positions is not None,
         DEC_F32=kd.dtype == torch.float32, WIDEN=widen,
         TRANS=tune["transposed"] if transposed is None else transposed,
+        PREFETCH=tune["prefetch"],
         CODE_T=code_t, Q_T=tl.float32 if widen else _TL[p.query.dtype], BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_W=block_b * subs, BLOCK_H=pow2(half, 16),
         num_warps=tune["num_warps"] if num_warps is None else num_warps,

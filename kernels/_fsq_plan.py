@@ -26,11 +26,12 @@ MAX_KERNEL_HEAD_DIM = 256
 ROPE_RADIX_BITS = 11  # theta mode: position = hi * 2^11 + lo, one angle table per part
 MAX_THETA_POSITION = 1 << (2 * ROPE_RADIX_BITS)  # 4,194,304: positions the theta tables cover
 MIN_SPLIT_LEN = 256  # archived positions per split program, at least
-# the split kernel's defaults: positions per step, warps, software-pipeline stages, and
-# whether scores are computed transposed (keys @ query^T: every product has >= 64 rows), and
-# the split programs aimed at per multiprocessor over all (batch, kv head) pairs
+# the split kernel's defaults: positions per step, warps, software-pipeline stages, whether
+# scores are computed transposed (keys @ query^T: every product has >= 64 rows), whether the
+# next block's codes are loaded during this block's work, and the split programs aimed at per
+# multiprocessor over all (batch, kv head) pairs
 SPLIT_TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 1, "transposed": False,
-                "programs_per_sm": 2}
+                "prefetch": False, "programs_per_sm": 2}
 
 
 def level_list(levels, width: int) -> tuple[int, ...]:
@@ -164,8 +165,9 @@ def choose_num_splits(problem: FsqProblem) -> int:
     return max(1, min(wanted, math.ceil(capacity / MIN_SPLIT_LEN), MAX_SPLITS))
 
 
-def splits_for(problem: FsqProblem, num_splits: int | None, block_n: int):
-    """``(split length, splits)`` the kernel runs."""
+def splits_for(problem: FsqProblem, num_splits: int | None, block_n: int | None = None):
+    """``(split length, splits)`` the kernel runs (``block_n`` None: the default)."""
+    block_n = SPLIT_TUNING["block_n"] if block_n is None else block_n
     wanted = choose_num_splits(problem) if num_splits is None else num_splits
     return split_layout(problem.codes.shape[1], wanted, block_n)
 
