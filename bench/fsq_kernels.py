@@ -180,10 +180,11 @@ def time_rvq(shape, context, batch):
 
 def sweep(points=((8, 131072), (1, 32768)), check_context=4096, transposed=(False,)):
     """The split kernel's tuning knobs (positions per step, warps, transposed scores, register
-    prefetch of the next block, programs per multiprocessor) at a few shapes of the Qwen3 configs the kernel
-    takes, CUDA-graph time. Every variant is first checked against the float32 reference on
-    a ``check_context`` case (a wrong variant is recorded as such, never timed). Returns the
-    rows and, per config, the fastest correct setting at the first point."""
+    prefetch of the next block, programs per multiprocessor) at a few shapes of the Qwen3
+    configs the kernel takes, CUDA-graph time. Every variant is first checked against the
+    float32 reference on a ``check_context`` case (a wrong variant is recorded as such, never
+    timed). Returns the rows and, per config, the fastest correct setting at the first
+    point."""
     import itertools
 
     import torch
