@@ -235,6 +235,38 @@ def sweep(points=((8, 131072), (1, 32768)), check_context=4096, transposed=(Fals
     return {"rows": out, "best": best}
 
 
+def eager_calls(points=((1, 4096), (1, 32768), (8, 32768))):
+    """Host-side cost of one call at batch 1: eager time (launches from Python, ``do_bench``)
+    of the validated call, of the trusted per-step path (``decode_fsq_problem`` on a problem
+    validated once, lengths and positions not read back) and of SDPA's eager call, beside the
+    kernel's CUDA-graph time."""
+    import torch
+    import torch.nn.functional as F
+
+    from kernels import decode_fsq_problem, fsq_decode_attention, validate_fsq_args
+
+    rows = []
+    for name, shape, width, levels in CONFIGS[1:3]:
+        for batch, context in points:
+            case = fsq_case(shape, width, levels, context, batch, True)
+            problem = validate_fsq_args(**case, check_codes=False)
+            trusted = functools.partial(decode_fsq_problem, problem)
+            hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
+            q = case["query"].to(torch.float16)[:, :, None, :]
+            k = torch.randn(batch, hkv, context, d, device="cuda", dtype=torch.float16)
+            sdpa = functools.partial(F.scaled_dot_product_attention, q, k, torch.randn_like(k),
+                                     enable_gqa=hq != hkv)
+            row = {"config": name, "batch": batch, "context": context,
+                   "validated_ms": time_ms(functools.partial(fsq_decode_attention, **case,
+                                                             check_codes=False), graph=False),
+                   "trusted_ms": time_ms(trusted, graph=False),
+                   "graph_ms": time_ms(trusted, graph=True),
+                   "sdpa_ms": time_ms(sdpa, graph=False)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def print_table(data, min_context=0):
     print("| config | B/token | batch | context | fsq eager ms | sdpa eager ms | eager ratio | "
           "fsq graph ms | sdpa graph ms | speed-up | TC roofline % | bytes roofline % | "
@@ -303,6 +335,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time the split kernel's knobs first")
     ap.add_argument("--no-grid", action="store_true", help="with --sweep: only the sweep")
+    ap.add_argument("--eager", action="store_true", help="only the host-side cost of a call "
+                    "(validated, trusted path, SDPA) at a few small shapes")
     ap.add_argument("--transposed", action="store_true", help="the sweep also times "
                     "transposed scores (slower in every measured setting)")
     ap.add_argument("--plot", type=Path, help="print the table of a saved result")
@@ -313,6 +347,11 @@ def main(argv=None):
         data = json.loads(args.plot.read_text())
         print_table(data)
         plot(data, args.figure)
+        return
+    if args.eager:
+        data = {"eager": eager_calls()}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(data, indent=1))
         return
     contexts = [4096, 32768] if args.quick else [4096, 16384, 32768, 131072]
     batches = [1, 8] if args.quick else [1, 8, 32]

@@ -30,8 +30,10 @@ MIN_SPLIT_LEN = 256  # archived positions per split program, at least
 # scores are computed transposed (keys @ query^T: every product has >= 64 rows), whether the
 # next block's codes are loaded during this block's work, and the split programs aimed at per
 # multiprocessor over all (batch, kv head) pairs
-SPLIT_TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 1, "transposed": False,
-                "prefetch": False, "programs_per_sm": 2}
+# (the fastest correct setting of `python bench/fsq_kernels.py --sweep` on an H200 at both
+# Qwen3-8B widths, 256 and 84; bench/results/fsq_kernels.json)
+SPLIT_TUNING = {"block_n": 128, "num_warps": 8, "num_stages": 1, "transposed": False,
+                "prefetch": True, "programs_per_sm": 4}
 
 
 def level_list(levels, width: int) -> tuple[int, ...]:
@@ -152,10 +154,10 @@ def kernel_limit(problem: FsqProblem) -> str | None:
 
 
 def choose_num_splits(problem: FsqProblem) -> int:
-    """Splits of the archive: about two programs per multiprocessor over all (batch, kv head)
-    pairs, each split at least ``MIN_SPLIT_LEN`` positions (the kernel is bound by its
-    matrix products, so one full wave with two programs per multiprocessor to hide latency
-    is the aim)."""
+    """Splits of the archive: ``SPLIT_TUNING["programs_per_sm"]`` programs per multiprocessor
+    over all (batch, kv head) pairs (four measured fastest: a program holds one
+    multiprocessor's shared memory, so several waves even out the splits' ends), each split
+    at least ``MIN_SPLIT_LEN`` positions."""
     capacity = problem.codes.shape[1]
     if capacity == 0:
         return 1
