@@ -19,10 +19,12 @@ after the device went idle), GPU time per step (kernel time summed by the profil
 memory, cache bytes, and the roofline: weights read per step (every parameter but the input
 embedding) plus the cache bytes attention reads, over the copy bandwidth measured in the same
 run. Also: the eager call of the kernel against SDPA's at batch 1, ``generate`` tokens/s at
-``--generate-at``, and the largest context each cache holds in ``--budget-gib`` with the
-decode speed there.
+``--generate-at``, and the largest context each cache holds in ``--budget-gib`` at
+``--budget-batch`` with ``generate``'s tokens/s there (codes-only: filled with random codes).
 
-Writes ``bench/results/serving-decode.json`` (``--out``) after every point, prints tables.
+Sections run in the order kernel, budget, grid, generate (``--skip`` leaves some out); past
+``--deadline-s`` what is left is reported as skipped. Writes ``bench/results/serving-decode.json``
+(``--out``) after every point, prints tables. ``--device cpu --small`` is a smoke run.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import machine, markdown_table, write_json  # noqa: E402
 from model_adapters.caches.codes_only import CodesOnlyCache, use_codes_attention  # noqa: E402
+from model_adapters.caches.window import DEFAULT_REWIND  # noqa: E402
 from model_adapters.models import cache_kwarg, kv_shape  # noqa: E402
 from model_adapters.quant.quantizer import KVQuantizer  # noqa: E402
 
@@ -352,82 +355,106 @@ def _kernel_point(model, q, shape, device, dtype, n) -> dict:
     return row
 
 
-def generate_speed(path, model, q, shape, batch, n, device, dtype, new=(8, 40)) -> dict:
-    """Tokens/s of ``model.generate`` on a pre-filled cache (transformers compiles the decode
-    step of a compileable cache by itself): the difference between two runs of different
-    lengths, so compiling and the prefill cancel out."""
+def generate_speed(path, model, cache, batch, n, device, new=(8, 40)) -> dict:
+    """Tokens/s of ``model.generate`` on ``cache``, pre-filled to ``n`` positions per sequence
+    (transformers compiles the decode step of a compileable cache by itself on CUDA): the
+    difference between two runs of different lengths, so compiling and the first step cancel
+    out. Each run continues the last one's output, so every run starts with one new token."""
     set_attention(model, path)
-    cache = make_cache(path, model, q, n + 2 * sum(new) + 8)
-    fill(cache, shape, batch, n, device, dtype)
     kw = cache_kwarg(model)
     ids = torch.randint(2, 1000, (batch, n + 1), device=device)
     times = []
     torch._dynamo.reset()
-    with torch.no_grad():
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad(), flash_only(path):
         for count in (new[0], *new):
             sync()
             t0 = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=count, min_new_tokens=count, do_sample=False,
+            ids = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=count, min_new_tokens=count, do_sample=False,
                                  **{kw: cache})
             sync()
             times.append(time.perf_counter() - t0)
-            ids = torch.cat([out, torch.randint(2, 1000, (batch, 1), device=device)], 1)
     per_token = (times[2] - times[1]) / (new[1] - new[0])
     row = {"path": path, "context": n, "batch": batch, "generate_tok_s": batch / per_token,
-           "compiled": bool(getattr(model, "_compiled_call", None))}
+           "generate_ms_per_step": per_token * 1e3, "first_call_s": times[0],
+           "compiled": bool(getattr(model, "_compiled_call", None)),
+           "generate_peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
     print(row, flush=True)
     return row
 
 
-def budget(model, q, shape, args, device, dtype, bw) -> list[dict]:
-    """The most positions each cache holds in ``--budget-gib`` (batch ``--budget-batch``), and
-    the decode speed there (codes: compiled; dense: flash, eager). The codes-only cache is
-    filled with random codes written straight into its buffers (no quantization: the speed
-    depends on the shapes), the dense cache with random K/V."""
-    budget_bytes = int(args.budget_gib * 2**30)
-    b = args.budget_batch
+def budget_points(shape, q, budget_gib: float, batch: int) -> list[dict]:
+    """The most positions per sequence each cache holds in ``budget_gib`` at ``batch``:
+    bf16 K and V for the dense cache; for the codes-only cache (capacity) its codes (one uint8
+    per stage, kv head and layer for 256 centroids), its codebooks, the quantizer's encoder
+    tables and its exact sinks and window."""
+    budget_bytes = int(budget_gib * 2**30)
     dense_per_token = shape.num_layers * 2 * shape.kv_heads * shape.head_dim * 2
-    code_per_token = shape.num_layers * shape.kv_heads * (q.key_stages + q.value_stages)
-    fixed = 2 * (q.key_codebooks.numel() + q.value_codebooks.numel()) * 4 + \
-        b * (SINKS + RECENT + 32) * dense_per_token
-    dense_n = budget_bytes // (b * dense_per_token)
-    codes_n = (budget_bytes - fixed) // (b * code_per_token)
-    rows = [{"cache": "DynamicCache / StaticCache (bf16)", "batch": b, "context": dense_n,
-             "tokens_held": b * dense_n}]
-    rows.append({"cache": "codes-only (K2V2, 256)", "batch": b, "context": codes_n,
-                 "tokens_held": b * codes_n, "vs_dense": codes_n / dense_n})
-    steps = args.steps
-    for row, path, n in ((rows[0], "dynamic-flash", dense_n - 64), (rows[1], "codes-compiled",
-                                                                    codes_n - 64)):
+    code_bytes = torch.empty((), dtype=q.code_dtype).element_size()
+    code_per_token = shape.num_layers * shape.kv_heads * (q.key_stages + q.value_stages) * \
+        code_bytes
+    books = tensor_bytes([q.key_codebooks, q.value_codebooks,
+                          *(t for li in range(shape.num_layers) for t in q.table_tensors(li))])
+    fixed = books + batch * (SINKS + RECENT + DEFAULT_REWIND) * dense_per_token
+    dense_n = budget_bytes // (batch * dense_per_token)
+    codes_n = max(0, budget_bytes - fixed) // (batch * code_per_token)
+    stages = f"K{q.key_stages}V{q.value_stages}"
+    return [{"cache": "DynamicCache (bf16), flash", "path": "dynamic-flash", "batch": batch,
+             "context": dense_n, "tokens_held": batch * dense_n},
+            {"cache": f"codes-only, capacity ({stages}, 256)", "path": "codes-compiled",
+             "batch": batch, "context": codes_n, "tokens_held": batch * codes_n,
+             "vs_dense": codes_n / dense_n if dense_n else None}]
+
+
+def budget(model, q, shape, args, device, dtype, bw, late, save) -> list[dict]:
+    """The most positions each cache holds in ``--budget-gib`` (batch ``--budget-batch``), and
+    ``generate``'s tokens/s there (codes-only: the capacity cache, which ``generate`` compiles
+    with CUDA graphs on CUDA; dense: ``DynamicCache`` with SDPA forced to flash, eager, the
+    fastest dense path measured at long contexts). Each cache is built at the point's size and
+    filled synthetically up to a margin for the generated tokens: the dense cache with random
+    K/V through its update, the codes-only cache with random codes written straight into its
+    buffers (no quantization: the speed depends on the shapes). ``save`` is called after each
+    point; past the deadline a point is reported as skipped."""
+    b = args.budget_batch
+    new = tuple(args.generate_tokens)
+    margin = 2 * sum(new) + 8  # the generated tokens (three runs) and slack
+    rows = budget_points(shape, q, args.budget_gib, b)
+    for row in rows:
+        path, capacity = row["path"], row["context"]
+        n = capacity - margin
+        if late():
+            row["error"] = "skipped (out of time)"
+            continue
         set_attention(model, path)
         empty_cache()
+        cache = None
         try:
+            if n <= 0:
+                raise ValueError(f"the budget holds {capacity} positions per sequence, no "
+                                 f"more than the {margin} the generated tokens need")
             if path == "codes-compiled":
-                cache = CodesOnlyCache(model, q, sinks=SINKS, recent=RECENT, capacity=n + 64)
+                cache = CodesOnlyCache(model, q, sinks=SINKS, recent=RECENT, capacity=capacity)
                 _synthetic_codes(cache, shape, b, n, device, dtype)
             else:
-                cache = make_cache(path, model, q, n + 64)
+                cache = make_cache(path, model, q, capacity)
                 fill(cache, shape, b, n, device, dtype)
+            row["filled_to"] = n
             row["cache_GiB"] = cache_bytes(cache) / 2**30
-            kw = cache_kwarg(model)
-            forward = compiled(model.forward, device) if path in COMPILED else model.forward
-            state = {"tok": torch.full((b, 1), 5, device=device)}
-
-            def step(forward=forward, cache=cache, state=state, kw=kw):
-                state["tok"] = forward(input_ids=state["tok"], **{kw: cache}).logits[
-                    :, -1:].argmax(-1)
-
-            with torch.no_grad(), flash_only(path):
-                for _ in range(4):
-                    step()
-                row |= measure(step, steps, b, profile_gpu=False)
-            reads = read_bytes(path, cache, shape, b, n, n + 64)
+            row |= {k: v for k, v in generate_speed(path, model, cache, b, n, device,
+                                                    new).items() if k not in row}
+            reads = read_bytes(path, cache, shape, b, n, capacity)
             row["roofline_ms"] = (weight_bytes(model) + reads) / bw * 1e3
+            row["of_roofline"] = row["roofline_ms"] / row["generate_ms_per_step"]
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
         except Exception as exc:  # noqa: BLE001 (reported, not fatal)
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        del cache
         print(row, flush=True)
+        save()
     empty_cache()
     return rows
 
@@ -454,17 +481,24 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768, 131072])
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--points", nargs="*", default=None,
+                        help="context:batch points of the grid (default: every context with "
+                             "every batch)")
     parser.add_argument("--compiled-points", nargs="*", default=["32768:1", "131072:1",
                                                                  "131072:8"],
                         help="context:batch points where the compiled paths run")
     parser.add_argument("--generate-at", nargs="*", default=["32768:1"],
                         help="context:batch points where generate's own compilation is timed")
+    parser.add_argument("--generate-tokens", type=int, nargs=2, default=[8, 40],
+                        metavar=("SHORT", "LONG"),
+                        help="generate's tokens/s is the time of a LONG run less a SHORT one")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--budget-gib", type=float, default=16.0)
     parser.add_argument("--budget-batch", type=int, default=8)
     parser.add_argument("--skip", nargs="*", default=[],
-                        help="sections to leave out: kernel, grid, generate, budget")
+                        help="sections to leave out: kernel, budget, grid, generate (they run "
+                             "in that order)")
     parser.add_argument("--out", default="serving-decode")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="skip what is left (reported as skipped) after this many seconds")
@@ -500,11 +534,15 @@ def main(argv=None):
         report["kernel_call"] = kernel_call_overhead(model, q, shape, device, dtype,
                                                      args.contexts)
         save()
-    compiled_points = {tuple(map(int, p.split(":"))) for p in args.compiled_points}
+    if "budget" not in args.skip:
+        report["budget"] = budget(model, q, shape, args, device, dtype, bw, late, save)
+        save()
+    compiled_points = {point(p) for p in args.compiled_points}
     grid = report.setdefault("rows", [])
     if "grid" not in args.skip:
+        points = [point(p) for p in args.points] if args.points is not None else [
+            (n, b) for b in args.batches for n in args.contexts]
         # the compiled points (the targets) first: a deadline skips the others
-        points = [(n, b) for b in args.batches for n in args.contexts]
         points.sort(key=lambda p: p not in compiled_points)
         for n, batch in points:
             for path in EAGER + (COMPILED if (n, batch) in compiled_points else ()):
@@ -514,21 +552,22 @@ def main(argv=None):
                     continue
                 grid.append(run_path(path, model, q, shape, batch, n, args, device, dtype, bw))
                 save()
-    if "budget" not in args.skip and not late():
-        report["budget"] = budget(model, q, shape, args, device, dtype, bw)
-        save()
     if "generate" not in args.skip:
         report["generate"] = []
-        for point in args.generate_at:
-            n, batch = map(int, point.split(":"))
+        new = tuple(args.generate_tokens)
+        for n, batch in map(point, args.generate_at):
             for path in COMPILED:
                 if late():
                     report["generate"].append({"path": path, "context": n, "batch": batch,
                                                "error": "skipped (out of time)"})
                     continue
                 try:
-                    report["generate"].append(generate_speed(path, model, q, shape, batch, n,
-                                                             device, dtype))
+                    empty_cache()
+                    set_attention(model, path)
+                    cache = make_cache(path, model, q, n + 2 * sum(new) + 8)
+                    fill(cache, shape, batch, n, device, dtype)
+                    report["generate"].append(generate_speed(path, model, cache, batch, n,
+                                                             device, new))
                 except Exception as exc:  # noqa: BLE001 (reported, not fatal)
                     report["generate"].append({"path": path, "context": n, "batch": batch,
                                                "error": f"{type(exc).__name__}: {exc}"[:300]})
@@ -536,6 +575,15 @@ def main(argv=None):
     report["seconds"] = time.perf_counter() - start
     print_tables(report)
     print(f"wrote {write_json(args.out, report)}")
+
+
+def point(text: str) -> tuple[int, int]:
+    """``"context:batch"`` as two ints; anything else exits naming the text."""
+    try:
+        n, batch = map(int, text.split(":"))
+    except ValueError:
+        raise SystemExit(f"a point is context:batch (two integers), got {text!r}") from None
+    return n, batch
 
 
 def print_tables(report: dict) -> None:
@@ -548,12 +596,13 @@ def print_tables(report: dict) -> None:
     for r in rows:
         if "tok_s" in r and (r["context"], r["batch"]) in best:
             r["vs_best_dense"] = r["tok_s"] / best[(r["context"], r["batch"])]
-    print(markdown_table(rows, [
-        ("context", "context"), ("batch", "batch"), ("path", "path"), ("tok_s", "tok/s"),
-        ("vs_best_dense", "vs best dense"), ("step_ms", "ms/step"), ("gpu_ms", "GPU ms/step"),
-        ("host_ms", "host ms/step"), ("roofline_ms", "roofline ms"),
-        ("of_roofline", "roofline / measured"), ("peak_GiB", "peak GiB"),
-        ("cache_GiB", "cache GiB"), ("error", "error")]))
+    if rows:
+        print(markdown_table(rows, [
+            ("context", "context"), ("batch", "batch"), ("path", "path"), ("tok_s", "tok/s"),
+            ("vs_best_dense", "vs best dense"), ("step_ms", "ms/step"),
+            ("gpu_ms", "GPU ms/step"), ("host_ms", "host ms/step"),
+            ("roofline_ms", "roofline ms"), ("of_roofline", "roofline / measured"),
+            ("peak_GiB", "peak GiB"), ("cache_GiB", "cache GiB"), ("error", "error")]))
     if report.get("kernel_call"):
         cols = [("context", "context")] + [(k, k) for k in report["kernel_call"][0]
                                             if k != "context"]
