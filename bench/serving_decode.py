@@ -326,9 +326,13 @@ def _kernel_point(model, q, shape, device, dtype, n) -> dict:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             return sdpa(q4, k, v, enable_gqa=True)
 
+    def codes(x):
+        return kernels.static_decode_attention(x, coded, scale=0.088, backend=layer.kernel_backend)
+
+    captured = kernels.CapturedCall(codes, query) if query.is_cuda else codes
     calls = {
-        "codes kernel": lambda: kernels.static_decode_attention(
-            query, coded, scale=0.088, backend=layer.kernel_backend),
+        "codes kernel": lambda: codes(query),
+        "codes kernel captured": lambda: captured(query),
         "sdpa default": lambda: sdpa(q4, k, v, enable_gqa=True),
         "sdpa flash": flash,
     }
@@ -347,11 +351,14 @@ def _kernel_point(model, q, shape, device, dtype, n) -> dict:
             row[f"{name} gpu_us"] = triton.testing.do_bench_cudagraph(fn) * 1e3
         except Exception as exc:  # noqa: BLE001 (reported, not fatal)
             row[f"{name} gpu_us"] = f"{type(exc).__name__}"
-    row["host ratio (codes / best sdpa)"] = row["codes kernel host_us"] / min(
-        row["sdpa default host_us"], row["sdpa flash host_us"])
+    best_sdpa = min(row["sdpa default host_us"], row["sdpa flash host_us"])
+    row["host ratio (codes / best sdpa)"] = row["codes kernel host_us"] / best_sdpa
+    row["host ratio (captured / best sdpa)"] = row["codes kernel captured host_us"] / best_sdpa
     ref = kernels.static_decode_attention(query, coded, scale=0.088, backend="torch").float()
     out = calls["codes kernel"]().float()
     row["kernel vs masked reference (relative error)"] = ((out - ref).norm() / ref.norm()).item()
+    row["captured equals launched"] = bool(torch.equal(calls["codes kernel captured"](),
+                                                       calls["codes kernel"]()))
     return row
 
 

@@ -14,7 +14,9 @@ Public names:
   shared by the kv heads; keys reconstructed on the tensor cores), with :func:`fsq_pack` /
   :func:`fsq_unpack` (the packing contract), :func:`validate_fsq_args` /
   :class:`FsqProblem` / :func:`decode_fsq_problem` (validate once, then the trusted path),
-  :func:`fsq_kernel_takes` and :func:`reference_fsq_decode_attention`.
+  :func:`fsq_kernel_takes` and :func:`reference_fsq_decode_attention`;
+- :class:`CapturedCall`: one decode call captured in a CUDA graph and replayed (the eager
+  per-step path's launches paid once).
 
 Importing this package is cheap: torch and triton load on first use of a name, so a library
 that only probes for a package named ``kernels`` (transformers does) pays nothing. The package
@@ -26,6 +28,7 @@ from __future__ import annotations
 __all__ = [
     "BACKENDS",
     "CODE_DTYPE_LIMITS",
+    "CapturedCall",
     "CodedCache",
     "FsqProblem",
     "decode_attention",
@@ -48,6 +51,7 @@ __all__ = [
 _WHERE = {
     "BACKENDS": "kernels.rvq_decode",
     "CODE_DTYPE_LIMITS": "kernels._validate",
+    "CapturedCall": "kernels.captured",
     "CodedCache": "kernels.coded_cache",
     "decode_attention": "kernels.rvq_decode",
     "dequantize_rvq": "kernels.reference",

@@ -365,7 +365,10 @@ class CodesOnlyCache(Cache):
             step quantizes on the device and never waits for it, ``torch.compile`` traces it
             without a graph break, and transformers' ``generate`` compiles the decode steps
             with CUDA graphs on CUDA by itself (``is_compileable``). Needs ``block=1``, no
-            ``rows`` and unpadded batches; past the capacity, :class:`CapacityError`.
+            ``rows`` and unpadded batches; past the capacity, :class:`CapacityError`. Eager
+            decode steps on the Triton kernel replay each layer's kernel call from a CUDA graph
+            captured on the first step (:class:`kernels.CapturedCall`; set
+            ``cache.capture_eager_steps = False`` to launch the kernels every step instead).
         backend: the path of float16/bfloat16 decode steps: ``"triton"``, the Triton kernel of
             :func:`kernels.decode_attention` (CUDA tensors, or Triton's CPU interpreter);
             ``"auto"``, that kernel where :func:`kernels.kernel_takes` says one runs the step;
@@ -422,6 +425,7 @@ class CodesOnlyCache(Cache):
         self.rows = rows
         self.backend = backend
         self.capacity = capacity
+        self.capture_eager_steps = True  # capacity layers: see the capacity argument
         config = getattr(model_or_config, "config", model_or_config)
         self.q_heads = getattr(config, "num_attention_heads", shape.kv_heads)
         self.archive_hooks: list = []

@@ -75,6 +75,12 @@ class StaticCodesLayer(CodesLayer):
         self.pads = self.pad_tensor = None  # always None: start_padded refuses a padded batch
         self.host_length: int | None = 0  # the device length, when the host knows it
         self.kernel_backend = "torch"
+        self._captured: dict = {}  # eager decode steps captured in a CUDA graph, see attend
+
+    def __getstate__(self) -> dict:
+        """Copied and pickled without its captured calls (CUDA graphs; captured again on the
+        copy's first eager step)."""
+        return {**self.__dict__, "_captured": {}}
 
     # --- buffers ------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states=None) -> None:
@@ -272,13 +278,43 @@ class StaticCodesLayer(CodesLayer):
         query tokens attend the layer's dense reconstruction, with this chunk's transit."""
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if query.shape[2] == 1:
-            out = kernels.static_decode_attention(query[:, :, 0], self.coded_cache(),
-                                                  scale=scale, backend=self.kernel_backend)
+            q = query[:, :, 0]
+            if self._captures(q):
+                self.cache.unread_layer = None
+                return self._captured_call(q, scale)(q)[:, None], None
+            out = kernels.static_decode_attention(q, self.coded_cache(), scale=scale,
+                                                  backend=self.kernel_backend)
             return out[:, None], None
         transit = self.take_transit()
         dense_k, dense_v = self.dense(query.dtype)
         return chunk_attention_forward(module, query, dense_k, dense_v, attention_mask, transit,
                                        dropout=dropout, scaling=scaling, **kwargs)
+
+    def _captures(self, q: torch.Tensor) -> bool:
+        """Whether this eager decode step replays a captured call (the kernel on CUDA, outside
+        ``torch.compile`` and outside a capture of the caller's own)."""
+        return (getattr(self.cache, "capture_eager_steps", True) and q.is_cuda
+                and self.kernel_backend == "triton" and not torch.compiler.is_compiling()
+                and not torch.cuda.is_current_stream_capturing())
+
+    def _captured_call(self, q: torch.Tensor, scale: float) -> kernels.CapturedCall:
+        """The step's lengths and kernel call captured once per query shape, scale and buffer
+        addresses (a buffer that moved, e.g. a new batch, gets a new capture)."""
+        buffers = (*(getattr(self, name) for name in self._BUFFERS), self.length,
+                   self.quantizer.key_codebooks, self.quantizer.value_codebooks)
+        key = (tuple(q.shape), q.dtype, float(scale), *(t.data_ptr() for t in buffers))
+        calls = self.__dict__.setdefault("_captured", {})  # (absent from older pickles)
+        captured = calls.get(key)
+        if captured is None:
+            calls.clear()  # the old capture reads buffers that moved
+
+            def step(query: torch.Tensor) -> torch.Tensor:
+                return kernels.static_decode_attention(
+                    query, self.coded_cache(mark_read=False), scale=scale,
+                    backend=self.kernel_backend)
+
+            captured = calls[key] = kernels.CapturedCall(step, q)
+        return captured
 
     def dense(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every position's K and V, archived ones decoded: ``(batch, kv_heads, length, d)``."""

@@ -173,6 +173,36 @@ def test_gpu_generate_compiles_with_cuda_graphs_and_matches_eager():
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_captured_eager_steps_match_launched_steps():
+    # eager decode steps replay each layer's captured kernel call; a new batch moves the
+    # buffers (repeat_interleave), which must bring a new capture, not a stale replay
+    model = use_codes_attention(TINY_MODELS["qwen3"]().to(torch.bfloat16).cuda())
+    q = random_quantizer(model)
+    kw = cache_kwarg(model)
+    runs = {}
+    for capture in (False, True):
+        cache = CodesOnlyCache(model, q, sinks=2, recent=4, capacity=64)
+        cache.capture_eager_steps = capture
+        ids, logits, captures = IDS[:, :16].cuda(), [], []
+        with torch.no_grad():
+            for step in range(14):
+                if step == 8:
+                    cache.batch_repeat_interleave(2)
+                    ids = ids.repeat_interleave(2, dim=0)
+                feed = ids if step == 0 else ids[:, -1:]
+                out = model(feed, **{kw: cache}).logits[:, -1].float()
+                logits.append(out.repeat(2 // out.shape[0], 1))
+                ids = torch.cat([ids, out.argmax(-1, keepdim=True)], dim=1)
+                captures.append(len(cache.layers[0]._captured))
+        runs[capture] = (torch.stack(logits), captures, cache.layers[0].kernel_backend)
+    (want, none, backend), (got, captures, _) = runs[False], runs[True]
+    assert backend == "triton" and set(none) == {0}
+    assert captures[1:] == [1] * 13  # one live capture per layer, renewed for the new batch
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_compiled_steps_past_the_capacity_are_reported_at_the_next_eager_call():
     _, model = model_pair("gpt2")
     q = random_quantizer(model)
