@@ -68,13 +68,17 @@ def load_setup(args):
 
 def exact_row_and_calibration(base, train, val, held_keys, encode, args, result):
     """Measure the exact model into ``result["rows"]``; return the conversion's calibration
-    ids, ``(args.calibration, 2048)`` training tokens at seeded offsets."""
+    ids: ``args.calibration x 2,048`` training tokens at seeded offsets, in sequences of
+    ``min(2048, args.seq)`` tokens (so a model trained on short sequences, e.g. GPT-2's 1,024
+    positions, is calibrated within its context), int64 ``(sequences, length)``."""
     row = {"config": "exact", **measure(base, val, held_keys, encode, args)}
     result["rows"].append(row)
     print(json.dumps(row), flush=True)
+    length = min(2048, args.seq)
+    count = args.calibration * 2048 // length
     g = torch.Generator().manual_seed(1)
-    starts = torch.randint(0, len(train) - 2049, (args.calibration,), generator=g)
-    return torch.stack([train[s:s + 2048] for s in starts.tolist()])
+    starts = torch.randint(0, len(train) - length - 1, (count,), generator=g)
+    return torch.stack([train[s:s + length] for s in starts.tolist()])
 
 
 def measure(model, val, keys, encode, args) -> dict:
@@ -149,7 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--lengths", default="1024,2048,4096,8192")
     p.add_argument("--items", type=int, default=50)
-    p.add_argument("--calibration", type=int, default=8, help="sequences of 2,048 tokens")
+    p.add_argument("--calibration", type=int, default=8,
+                   help="calibration tokens in units of 2,048 (sequences of min(2,048, --seq))")
     p.add_argument("--check-tokens", type=int, default=2048)
     p.add_argument("--check-steps", type=int, default=16)
     p.add_argument("--generate-items", type=int, default=10)

@@ -14,6 +14,13 @@ accuracy, and saved (``save_bottleneck``) under ``--save/NAME`` for the retrieva
 
 Points run in the order given; ``--max-seconds`` starts no point after that long (the JSON says
 which were skipped).
+
+For a model with a short context or one never trained on the retrieval task (``standin-qwen3``,
+``standin-gpt2``: 1,024-token training sequences), train on book text alone and skip the needle
+measurement:
+
+    python bench/fsq_grid.py --model standin-gpt2 --train ... --val ... --save OUTDIR \\
+        --seq 1024 --batch 32 --task-fraction 0 --items 0 --point fsq-w128-L16-tau0.5 ...
 """
 
 from __future__ import annotations
@@ -41,6 +48,26 @@ from model_adapters.quant.fsq_convert import convert_to_fsq, save_bottleneck  # 
 from model_adapters.quant.fsq_train import finetune_fsq, steps_for_tau  # noqa: E402
 
 
+def check_sizes(args) -> None:
+    """SystemExit naming the value when ``--seq``, a needle length, ``--items``, ``--batch`` or
+    ``--task-fraction`` is out of range for the run or the model's positions (read from its
+    config, before any weights load)."""
+    from transformers import AutoConfig
+
+    from model_adapters.models import max_positions
+
+    if not 0.0 <= args.task_fraction <= 1.0:
+        raise SystemExit(f"--task-fraction {args.task_fraction} is not in [0, 1]")
+    for name in ("items", "batch", "seq"):
+        if getattr(args, name) < (0 if name == "items" else 1):
+            raise SystemExit(f"--{name} {getattr(args, name)} is out of range")
+    limit = max_positions(AutoConfig.from_pretrained(args.model))
+    for name, value in [("--seq", args.seq)] + [("--lengths", n) for n in args.lengths]:
+        if value > limit:
+            raise SystemExit(f"{name} {value} exceeds the model's {limit} positions "
+                             f"({args.model})")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -52,14 +79,18 @@ def main(argv=None) -> int:
     p.add_argument("--kl-weight", type=float, default=1.0)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--task-fraction", type=float, default=0.8,
+                   help="share of training rows that are retrieval items (0: book text only)")
     p.add_argument("--lengths", default="1024,2048,4096,8192")
-    p.add_argument("--items", type=int, default=50)
+    p.add_argument("--items", type=int, default=50,
+                   help="needle items per length (0: no needle measurement)")
     p.add_argument("--calibration", type=int, default=8, help="sequences of 2,048 tokens")
     p.add_argument("--max-seconds", type=float, default=None)
     p.add_argument("--save", required=True, help="directory for the bottlenecks and the JSON")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    args.lengths = [int(v) for v in args.lengths.split(",")]
+    args.lengths = [int(v) for v in args.lengths.split(",")] if args.items else []
+    check_sizes(args)
     points = []
     for name in args.point:
         cfg = FsqConfig.parse(name)  # ValueError names a malformed point before any work
@@ -98,7 +129,7 @@ def main(argv=None) -> int:
         t0 = time.time()
         if steps:
             batches = training_batches(train, train_keys, encode, batch=args.batch,
-                                       seq=args.seq)
+                                       seq=args.seq, task_fraction=args.task_fraction)
             log = finetune_fsq(model, batches, steps=steps, lr=args.lr, tau=cfg.tau,
                                teacher=base, kl_weight=args.kl_weight,
                                autocast=torch.bfloat16 if args.device == "cuda" else None)
