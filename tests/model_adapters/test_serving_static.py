@@ -185,7 +185,7 @@ def test_gpu_captured_eager_steps_match_launched_steps():
     for capture in (False, True):
         cache = CodesOnlyCache(model, q, sinks=2, recent=4, capacity=64)
         cache.capture_eager_steps = capture
-        ids, logits, captures = IDS[:, :16].cuda(), [], []
+        ids, logits, captures = IDS[:1, :16].cuda(), [], []
         with torch.no_grad():
             for step in range(14):
                 if step == 8:
