@@ -178,9 +178,9 @@ def time_rvq(shape, context, batch):
             "rvq_bytes_per_token": shape["kv_heads"] * (ks + vs)}
 
 
-def sweep(points=((8, 131072), (1, 32768)), check_context=4096, transposed=(False,)):
-    """The split kernel's tuning knobs (positions per step, warps, transposed scores, register
-    prefetch of the next block, programs per multiprocessor) at a few shapes of the Qwen3
+def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
+    """The split kernel's tuning knobs (positions per step, warps, register prefetch of the
+    next block, programs per multiprocessor) at a few shapes of the Qwen3
     configs the kernel takes, CUDA-graph time. Every variant is first checked against the
     float32 reference on a ``check_context`` case (a wrong variant is recorded as such, never
     timed). Returns the rows and, per config, the fastest correct setting at the first
@@ -194,7 +194,7 @@ def sweep(points=((8, 131072), (1, 32768)), check_context=4096, transposed=(Fals
     from kernels._fsq_plan import SPLIT_TUNING
 
     out, best = [], {}
-    knobs = list(itertools.product((64, 128), (4, 8), (False, True), transposed))
+    knobs = list(itertools.product((64, 128), (4, 8), (False, True)))
     for name, shape, width, levels in CONFIGS[1:3]:
         rope = name.startswith("qwen3")
         small = fsq_case(shape, width, levels, check_context, 2, rope)
@@ -202,10 +202,10 @@ def sweep(points=((8, 131072), (1, 32768)), check_context=4096, transposed=(Fals
         ref = reference_fsq_decode_attention(**small, out_dtype=torch.float32)
         cases = {pt: validate_fsq_args(**fsq_case(shape, width, levels, pt[1], pt[0], rope))
                  for pt in points}
-        for block_n, warps, prefetch, trans in knobs:
+        for block_n, warps, prefetch in knobs:
             for per_sm in (1, 2, 4):
                 tune = {"block_n": block_n, "num_warps": warps, "num_stages": 1,
-                        "transposed": trans, "prefetch": prefetch, "programs_per_sm": per_sm}
+                        "prefetch": prefetch, "programs_per_sm": per_sm}
                 row = {"config": name, **tune}
                 saved = dict(SPLIT_TUNING)
                 SPLIT_TUNING.update(tune)
@@ -337,8 +337,6 @@ def main(argv=None):
     ap.add_argument("--no-grid", action="store_true", help="with --sweep: only the sweep")
     ap.add_argument("--eager", action="store_true", help="only the host-side cost of a call "
                     "(validated, trusted path, SDPA) at a few small shapes")
-    ap.add_argument("--transposed", action="store_true", help="the sweep also times "
-                    "transposed scores (slower in every measured setting)")
     ap.add_argument("--plot", type=Path, help="print the table of a saved result")
     ap.add_argument("--figure", type=Path, default=Path("docs/kernels_fsq.png"),
                     help="with --plot: where the figure goes")
@@ -358,7 +356,7 @@ def main(argv=None):
     data = {}
     tuning = None
     if args.sweep:
-        data["sweep"] = sweep(transposed=(False, True) if args.transposed else (False,))
+        data["sweep"] = sweep()
         tuning = data["sweep"]["best"]
         # the gpt2 shape takes the setting of the Qwen3 config of the nearest width
         tuning["gpt2 32x"] = tuning.get("qwen3-8b 32x")

@@ -139,8 +139,7 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
                   KV_HEADS, GROUP, HALF, WIDTH, SPLIT_LEN, NBYTES: tl.constexpr,
                   BITS: tl.constexpr, SUBS: tl.constexpr, ROPE: tl.constexpr,
                   HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_POS: tl.constexpr,
-                  DEC_F32: tl.constexpr, WIDEN: tl.constexpr, TRANS: tl.constexpr,
-                  PREFETCH: tl.constexpr,
+                  DEC_F32: tl.constexpr, WIDEN: tl.constexpr, PREFETCH: tl.constexpr,
                   CODE_T: tl.constexpr, Q_T: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr,
                   BLOCK_H: tl.constexpr):
@@ -167,9 +166,6 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
         q_rows = q_ptr + b * q_sb + heads[:, None] * q_sh + dd[None, :]
         q1 = tl.load(q_rows, mask=q_ok, other=0.0).to(Q_T)
         q2 = tl.load(q_rows + HALF, mask=q_ok, other=0.0).to(Q_T)
-        if TRANS:
-            q1 = tl.trans(q1)
-            q2 = tl.trans(q2)
         if HAS_BIAS:
             b1 = tl.load(kb_ptr + kvh * kb_sh + dd, mask=dd_ok, other=0.0).to(tl.float32)
             b2 = tl.load(kb_ptr + kvh * kb_sh + HALF + dd, mask=dd_ok, other=0.0).to(tl.float32)
@@ -181,10 +177,7 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
         pos_base = pos_ptr + b.to(tl.int64) * p_sb
         m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
-        if TRANS:
-            acc = tl.zeros([BLOCK_W, BLOCK_M], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
         step = tl.arange(0, BLOCK_N)
         nxt = _load_rows(row_base + (start + step).to(tl.int64) * c_sn, start + step < end,
                          NBYTES, BLOCK_B)
@@ -221,33 +214,19 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
             # keys rounded to the query's dtype (as a dense cache holds them); the weights to
             # the codes' dtype (the codes are exact in it, the weight sum uses the rounded
             # weights too)
-            if TRANS:  # (positions, heads): every product has >= 64 rows
-                score = _mm(k1.to(Q_T), q1, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), False)
-                score = _mm(k2.to(Q_T), q2, score, False) * qk_scale
-                score = tl.where(n_ok[:, None], score, float("-inf"))
-                m_new = tl.maximum(m, tl.max(score, axis=0))
-                alpha = tl.math.exp2(m - m_new)
-                p = tl.math.exp2(score - m_new[None, :]).to(CODE_T)
-                l = l * alpha + tl.sum(p.to(tl.float32), axis=0)
-                acc = _mm(tl.trans(z), p, acc * alpha[None, :], DEC_F32)
-            else:
-                score = _mm(q1, tl.trans(k1.to(Q_T)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
-                            False)
-                score = _mm(q2, tl.trans(k2.to(Q_T)), score, False) * qk_scale
-                score = tl.where(n_ok[None, :], score, float("-inf"))
-                m_new = tl.maximum(m, tl.max(score, axis=1))
-                alpha = tl.math.exp2(m - m_new)
-                p = tl.math.exp2(score - m_new[:, None]).to(CODE_T)
-                l = l * alpha + tl.sum(p.to(tl.float32), axis=1)
-                acc = _mm(p, z, acc * alpha[:, None], DEC_F32)
+            score = _mm(q1, tl.trans(k1.to(Q_T)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
+                        False)
+            score = _mm(q2, tl.trans(k2.to(Q_T)), score, False) * qk_scale
+            score = tl.where(n_ok[None, :], score, float("-inf"))
+            m_new = tl.maximum(m, tl.max(score, axis=1))
+            alpha = tl.math.exp2(m - m_new)
+            p = tl.math.exp2(score - m_new[:, None]).to(CODE_T)
+            l = l * alpha + tl.sum(p.to(tl.float32), axis=1)
+            acc = _mm(p, z, acc * alpha[:, None], DEC_F32)
             m = m_new
         out = acc_ptr + b * a_sb + split * a_sp
-        if TRANS:
-            tl.store(out + heads[None, :] * a_sh + c[:, None], acc,
-                     mask=c_ok[:, None] & g_ok[None, :])
-        else:
-            tl.store(out + heads[:, None] * a_sh + c[None, :], acc,
-                     mask=g_ok[:, None] & c_ok[None, :])
+        tl.store(out + heads[:, None] * a_sh + c[None, :], acc,
+                 mask=g_ok[:, None] & c_ok[None, :])
         ml = ml_ptr + b * ml_sb + heads * ml_sh + split * ml_sp
         tl.store(ml, m, mask=g_ok)
         tl.store(ml + 1, l, mask=g_ok)
@@ -310,13 +289,11 @@ def _merge_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, ale
 
 
 def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int | None = None,
-           block_n: int | None = None, num_stages: int | None = None,
-           transposed: bool | None = None) -> torch.Tensor:
+           block_n: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Run the two kernels on a validated problem; ``(batch, q_heads, head_dim)`` in the
-    query's dtype. ``block_n`` (positions per step, a power of two >= 16), ``num_warps``,
-    ``num_stages`` and ``transposed`` (scores as ``keys @ query^T``) of the split kernel are
-    tuning knobs (``None``: :data:`~kernels._fsq_plan.SPLIT_TUNING`). Never waits for the
-    GPU."""
+    query's dtype. ``block_n`` (positions per step, a power of two >= 16), ``num_warps`` and
+    ``num_stages`` of the split kernel are tuning knobs (``None``:
+    :data:`~kernels._fsq_plan.SPLIT_TUNING`, as is the prefetch). Never waits for the GPU."""
     p = problem
     reason = kernel_limit(p)
     if reason is not None:
@@ -368,7 +345,6 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
         BITS=bits, SUBS=subs, ROPE=kind, HAS_BIAS=p.key_bias is not None,
         HAS_NORM=p.k_norm is not None, HAS_POS=p.positions is not None,
         DEC_F32=kd.dtype == torch.float32, WIDEN=widen,
-        TRANS=tune["transposed"] if transposed is None else transposed,
         PREFETCH=tune["prefetch"],
         CODE_T=code_t, Q_T=tl.float32 if widen else _TL[p.query.dtype], BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_W=block_b * subs, BLOCK_H=pow2(half, 16),
