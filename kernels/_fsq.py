@@ -1,13 +1,14 @@
 """Triton decode attention straight from packed FSQ codes (flash-decoding, two launches).
 
-1. ``_split_kernel``: one program per (sequence split, batch, kv head). Per block of
-   ``BLOCK_N`` positions it unpacks the codes to ``(BLOCK_N, width)`` integers held in the
-   decoder's dtype (exact: levels <= 256), reconstructs the two halves of the keys with two
-   tensor-core products against the decoder halves (so RoPE's rotate-half needs no shuffle),
-   applies the bias, RMSNorm (k_norm) and RoPE at each position's absolute position, scores
-   the group's query heads (padded to 16 rows for ``tl.dot``), and keeps an online softmax
-   whose weights multiply the *codes*: ``acc[g] += sum_n p[g, n] code_n`` (``width`` floats per
-   head). No key or value leaves the registers.
+1. ``_split_kernel``: one program per (sequence split, batch, kv head). It loads the key
+   decoder's halves once; per block of ``BLOCK_N`` positions it loads the packed rows whole
+   (optionally the next block's during this one), unpacks them in place to ``(BLOCK_N,
+   width)`` integers held in the decoder's dtype (exact: levels <= 256), reconstructs the two
+   halves of the keys with two tensor-core products against the decoder halves (so RoPE's
+   rotate-half needs no shuffle), applies the bias, RMSNorm (k_norm) and RoPE at each
+   position's absolute position, scores the group's query heads (padded to 16 rows for
+   ``tl.dot``), and keeps an online softmax whose weights multiply the *codes*: ``acc[g] +=
+   sum_n p[g, n] code_n`` (``width`` floats per head). No key or value leaves the registers.
 2. ``_merge_kernel``: one program per (batch, kv head) merges the splits, runs the exact sink
    and recent tokens (``_common.exact_tokens``) and applies the value decoder once:
    ``sum_n p_n v_n = value_decoder @ (sum_n p_n code_n) + value_bias * sum_n p_n``.
@@ -15,7 +16,9 @@
 RoPE with a theta uses exact argument reduction: ``pos = hi * 2^11 + lo``, the angles of both
 parts come from float64-computed float32 tables (``_fsq_plan.theta_tables``, in L2) and are
 combined with the angle-sum formula, so angles stay exact to float32 at any position below
-2^22; explicit ``(cos, sin)`` tables are read at the position.
+2^22. Without explicit positions (consecutive ones) a block takes ``angle(base)`` once and
+``angle(j)`` from the low table's first ``BLOCK_N`` rows; explicit ``(cos, sin)`` tables are
+read at the position.
 """
 
 from __future__ import annotations
