@@ -20,7 +20,14 @@ from kernels import (
     reference_fsq_decode_attention,
     validate_fsq_args,
 )
-from kernels._fsq_plan import MAX_THETA_POSITION, ROPE_RADIX_BITS, scratch_bytes, theta_tables
+from kernels._fsq_plan import (
+    MAX_THETA_POSITION,
+    ROPE_RADIX_BITS,
+    SPLIT_TUNING,
+    scratch_bytes,
+    splits_for,
+    theta_tables,
+)
 from kernels.fsq_reference import reconstruct_keys, rope_cos_sin
 
 
@@ -189,6 +196,13 @@ def test_gpt2_shapes_without_rope_or_norm():
                          bias=False, levels=4, width=10)
     out = fsq_decode_attention(**case)
     assert out.shape == (2, 3, 16) and out.dtype == torch.float16
+
+
+def test_split_layout_defaults_to_the_tuned_block():
+    problem = validate_fsq_args(**make_fsq_case(archived=5000))
+    split_len, splits = splits_for(problem, 7)
+    assert (split_len, splits) == splits_for(problem, 7, SPLIT_TUNING["block_n"])
+    assert split_len % SPLIT_TUNING["block_n"] == 0 and split_len * splits >= 5000
 
 
 def test_scratch_does_not_grow_with_positions():

@@ -243,7 +243,10 @@ def test_a_deep_copy_continues_like_the_original():
     q = random_quantizer(model)
     cache = CodesOnlyCache(model, q, sinks=2, recent=3, rewind=2, capacity=40)
     step_logits(model, cache, IDS[:, :20], 12)
+    cache.layers[0]._captured["key"] = object()  # stands for a captured call (a CUDA graph)
     twin = copy.deepcopy(cache)
+    assert twin.layers[0]._captured == {}  # a copy captures its own calls, on its buffers
+    assert len(cache.layers[0]._captured) == 1
     for mine, its in zip(twin.layers, cache.layers, strict=True):
         assert mine.window_k.data_ptr() != its.window_k.data_ptr()
         assert getattr(mine.window_k, LAYER_ATTR) is mine  # attention reads the copy's buffers
