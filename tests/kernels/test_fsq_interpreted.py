@@ -106,6 +106,18 @@ def test_split_count_does_not_change_the_result():
         torch.testing.assert_close(out, outs[0], rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("tuning", [{"block_n": 16, "prefetch": False},
+                                    {"block_n": 64, "prefetch": True, "num_warps": 4}])
+def test_every_split_kernel_setting_the_sweep_tries(monkeypatch, tuning):
+    # bench/fsq_kernels.py --sweep times these knobs on the GPU; each must stay correct
+    from kernels import _fsq_plan
+
+    for name, value in tuning.items():
+        monkeypatch.setitem(_fsq_plan.SPLIT_TUNING, name, value)
+    check(make_fsq_case(archived=150, positions=7, archived_lengths=[150, 33]), num_splits=3)
+    check(make_fsq_case(archived=90, levels=2, width=40), num_splits=2)
+
+
 def test_large_scores_do_not_overflow():
     case = make_fsq_case(archived=60)
     case["query"] = case["query"] * 30
