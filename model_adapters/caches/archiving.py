@@ -393,6 +393,10 @@ class ArchivingCache(Cache):
     expects).
     """
 
+    # the position ids of the forward in progress, set by the hooks of use_codes_attention:
+    # where transformers does not hand them to update (5.17), the batch's left padding
+    forward_position_ids: torch.Tensor | None = None
+
     def __init__(
         self,
         model_or_config,
@@ -443,7 +447,7 @@ class ArchivingCache(Cache):
             raise unread_error(previous.layer_idx, "archiving cache")
         if layer_idx == 0 and self.quantizer is not None and self.get_seq_length() == 0:
             # a new sequence: its left padding, once (one read-back), from the position ids
-            pads = left_pads(kwargs, key_states.shape[-2])
+            pads = left_pads(kwargs, key_states.shape[-2], self.forward_position_ids)
             for layer in self.layers:
                 layer.pads, layer.seq_ends = pads, []
                 layer.pad_tensor = None if pads is None else torch.tensor(

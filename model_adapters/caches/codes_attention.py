@@ -85,14 +85,18 @@ class Transit:
         return self.lo + self.keys.shape[2]
 
 
-def left_pads(update_kwargs: dict, length: int) -> list[int] | None:
+def left_pads(update_kwargs: dict, length: int, forward_position_ids=None) -> list[int] | None:
     """The left padding of each sequence, read from the ``position_ids`` a model hands
     ``cache.update`` (transformers 5.24 passes them in ``kwargs``; ``generate`` numbers each
-    sequence's first real token 0): ``length - 1 - position_ids[:, -1]`` for a cache of
+    sequence's first real token 0), else from ``forward_position_ids``, those the model's
+    forward was called with (transformers 5.17 does not hand them to ``update``; see
+    :func:`use_codes_attention`): ``length - 1 - position_ids[:, -1]`` for a cache of
     ``length`` positions after the update, None when nothing is padded or no position ids came.
     Reads them back to the host (once per sequence: caches call this on their first update)."""
     inner = update_kwargs.get("kwargs")
     ids = (inner if isinstance(inner, dict) else update_kwargs).get("position_ids")
+    if ids is None:
+        ids = forward_position_ids
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
         return None
     pads = [min(max(0, length - 1 - int(p)), length - 1) for p in ids[:, -1].tolist()]
@@ -341,10 +345,52 @@ def unread_error(layer_idx: int, cache_name: str) -> RuntimeError:
 
 
 def use_codes_attention(model):
-    """Switch ``model`` to the codes attention (registering it first); returns the model."""
+    """Switch ``model`` to the codes attention (registering it first); returns the model.
+
+    Also hooks the model's forward so that a cache of this package sees the ``position_ids``
+    the forward was called with (``generate`` passes them, counting each sequence from its
+    first real token): the caches read a batch's left padding from them where transformers
+    does not hand them to ``cache.update`` (5.17). Idempotent."""
     register_codes_attention()
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(CODES_ATTENTION)
     else:  # releases without set_attn_implementation read the config at call time
         model.config._attn_implementation = CODES_ATTENTION
+    if isinstance(model, torch.nn.Module) and not getattr(model, _HOOKED, False):
+        model.register_forward_pre_hook(_note_forward_positions, with_kwargs=True)
+        model.register_forward_hook(_forget_forward_positions, with_kwargs=True,
+                                    always_call=True)
+        setattr(model, _HOOKED, True)
     return model
+
+
+_HOOKED = "_fkv_positions_hooked"
+NOTED_POSITIONS = "forward_position_ids"  # the attribute a cache declares to be told
+
+
+def _forward_cache(kwargs: dict):
+    for name in ("past_key_values", "cache"):  # the cache's keyword on 5.17 / 5.24
+        cache = kwargs.get(name)
+        if cache is not None and hasattr(cache, NOTED_POSITIONS):
+            return cache
+    return None
+
+
+def _note_forward_positions(module, args, kwargs):
+    """Forward pre-hook: tell the forward's cache its ``position_ids`` (None when not given)."""
+    if torch.compiler.is_compiling():  # traced decode steps never start a sequence
+        return None
+    cache = _forward_cache(kwargs)
+    if cache is not None:
+        setattr(cache, NOTED_POSITIONS, kwargs.get("position_ids"))
+    return None
+
+
+def _forget_forward_positions(module, args, kwargs, output):
+    """Forward hook (also after an exception): the positions belong to that forward only."""
+    if torch.compiler.is_compiling():
+        return None
+    cache = _forward_cache(kwargs)
+    if cache is not None:
+        setattr(cache, NOTED_POSITIONS, None)
+    return None

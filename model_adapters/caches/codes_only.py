@@ -381,6 +381,10 @@ class CodesOnlyCache(Cache):
     :class:`~model_adapters.caches.archiving.ArchivingCache` up to floating-point rounding.
     """
 
+    # the position ids of the forward in progress, set by the hooks of use_codes_attention:
+    # where transformers does not hand them to update (5.17), the batch's left padding
+    forward_position_ids: torch.Tensor | None = None
+
     def __init__(
         self,
         model_or_config,
@@ -460,7 +464,7 @@ class CodesOnlyCache(Cache):
         """A new sequence: its left padding, once (one read-back), from the position ids.
         ValueError, before any layer changes, for a padded batch on a cache with an attached
         archive (whose token stream holds one unpadded sequence)."""
-        pads = left_pads(update_kwargs, key_states.shape[2])
+        pads = left_pads(update_kwargs, key_states.shape[2], self.forward_position_ids)
         if pads is not None and self.archive_hooks:
             raise ValueError(
                 f"a left-padded batch (pads {pads}) cannot run on a codes-only cache with an "

@@ -12,7 +12,11 @@ last ``rewind`` archived positions, so that ``crop`` can make them exact again.
 
 from __future__ import annotations
 
+import torch
+
 from model_adapters._checks import count
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 __all__ = [
     "DEFAULT_REWIND",
@@ -53,8 +57,13 @@ def shortest_crop(end: int, sinks: int, recent: int, block: int) -> int:
 def crop_target(tokens_to_remove: int, length: int) -> int:
     """The length a cache of ``length`` positions keeps under ``crop(tokens_to_remove)``, in
     both transformers conventions: ``n < 0`` drops the last ``-n`` positions, ``n > 0`` keeps
-    the first ``n``, ``0`` keeps everything. TypeError for a non-int; ValueError, naming the
-    length, when the cut would pass the start or ``n`` exceeds what the cache holds."""
+    the first ``n``, ``0`` keeps everything. A 0-d integer tensor counts as its int
+    (transformers 5.17's assisted decoding passes one). TypeError for a non-int; ValueError,
+    naming the length, when the cut would pass the start or ``n`` exceeds what the cache
+    holds."""
+    if (isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.ndim == 0
+            and tokens_to_remove.dtype in _INT_DTYPES):
+        tokens_to_remove = int(tokens_to_remove)
     if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
         raise TypeError(f"crop takes an int, got {tokens_to_remove!r}")
     if tokens_to_remove == 0:

@@ -13,7 +13,7 @@ from serving_fixtures import (
 from model_adapters.caches.archiving import ArchivingCache
 from model_adapters.caches.code_rows import CodeRows
 from model_adapters.caches.codes_only import CodesOnlyCache
-from model_adapters.caches.window import archive_end
+from model_adapters.caches.window import archive_end, crop_target
 from model_adapters.models import cache_kwarg
 
 IDS = torch.randint(2, 100, (2, 44), generator=torch.Generator().manual_seed(7))
@@ -106,6 +106,15 @@ def test_crop_into_the_sinks_then_continue(arch):
     got = run(model, cache, 30, start=4)
     want = run(model, fresh, 30, start=4)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_crop_takes_a_zero_dim_integer_tensor():
+    # transformers 5.17's assisted decoding hands crop a 0-d tensor
+    assert crop_target(torch.tensor(-1), 14) == 13
+    assert crop_target(torch.tensor(9, dtype=torch.int32), 14) == 9
+    for bad in (torch.tensor(-1.0), torch.tensor([1]), torch.tensor(True), 2.0):
+        with pytest.raises(TypeError, match="crop takes an int"):
+            crop_target(bad, 14)
 
 
 def test_refused_crops_change_nothing():

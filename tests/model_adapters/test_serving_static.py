@@ -134,6 +134,36 @@ def test_left_padded_batch_is_refused():
                        **{cache_kwarg(model): cache})
 
 
+def test_left_padding_is_seen_when_update_gets_no_position_ids(monkeypatch):
+    # transformers 5.17 hands cache.update no position ids: the forward's own, noted by the
+    # hooks of use_codes_attention, tell the padding (and are forgotten after the forward)
+    _, model = model_pair("qwen3")
+    q = random_quantizer(model)
+    update = CodesOnlyCache.update
+
+    def update_without_positions(self, *args, **kwargs):
+        kwargs.pop("position_ids", None)
+        inner = kwargs.get("kwargs")
+        if isinstance(inner, dict):
+            kwargs["kwargs"] = {k: v for k, v in inner.items() if k != "position_ids"}
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(CodesOnlyCache, "update", update_without_positions)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    cache = CodesOnlyCache(model, q, sinks=1, recent=2, capacity=32)
+    with pytest.raises(ValueError, match=r"left-padded batch \(pads \[0, 3\]\)"), \
+            torch.no_grad():
+        model.generate(IDS[:, :8], attention_mask=mask, max_new_tokens=2, do_sample=False,
+                       **{cache_kwarg(model): cache})
+    assert cache.forward_position_ids is None
+    growing = CodesOnlyCache(model, q, sinks=1, recent=2)
+    with torch.no_grad():
+        model.generate(IDS[:, :8], attention_mask=mask, max_new_tokens=2, do_sample=False,
+                       **{cache_kwarg(model): growing})
+    assert growing.layers[0].pads == [0, 3] and growing.forward_position_ids is None
+
+
 def test_generate_with_a_capacity_gives_the_growing_cache_tokens():
     _, model = model_pair("qwen3")
     q = random_quantizer(model)
