@@ -118,9 +118,12 @@ def run_grid(contexts, batches, graphs=True, rvq=True, tuning=None):
     rows = []
     from kernels._fsq_plan import SPLIT_TUNING
 
+    shipped = dict(SPLIT_TUNING)
     for name, shape, width, levels in CONFIGS:
         rope = name.startswith("qwen3")
-        if tuning and name in tuning:
+        SPLIT_TUNING.clear()
+        SPLIT_TUNING.update(shipped)
+        if tuning and tuning.get(name):
             SPLIT_TUNING.update({k: v for k, v in tuning[name].items() if k in SPLIT_TUNING})
         for batch in batches:
             for context in contexts:
@@ -160,6 +163,8 @@ def run_grid(contexts, batches, graphs=True, rvq=True, tuning=None):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()
+    SPLIT_TUNING.clear()
+    SPLIT_TUNING.update(shipped)
     return {"bandwidth": bandwidth, "matmul_rate": rate, "rows": rows}
 
 
@@ -236,10 +241,10 @@ def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
 
 
 def eager_calls(points=((1, 4096), (1, 32768), (8, 32768))):
-    """Host-side cost of one call at batch 1: eager time (launches from Python, ``do_bench``)
-    of the validated call, of the trusted per-step path (``decode_fsq_problem`` on a problem
-    validated once, lengths and positions not read back) and of SDPA's eager call, beside the
-    kernel's CUDA-graph time."""
+    """Host-side cost of one call (batch 1, and batch 8 at 32K): eager time (launches from
+    Python, ``do_bench``) of the validated call, of the trusted per-step path
+    (``decode_fsq_problem`` on a problem validated once, lengths and positions not read back)
+    and of SDPA's eager call, beside the kernel's CUDA-graph time."""
     import torch
     import torch.nn.functional as F
 
@@ -265,6 +270,9 @@ def eager_calls(points=((1, 4096), (1, 32768), (8, 32768))):
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
+
+
+DEFAULT_OUT = Path("bench/results/fsq_kernels.json")
 
 
 def print_table(data, min_context=0):
@@ -331,7 +339,8 @@ def plot(data, figure: Path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("bench/results/fsq_kernels.json"))
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="with --eager the default is fsq_kernels_eager.json beside it")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time the split kernel's knobs first")
     ap.add_argument("--no-grid", action="store_true", help="with --sweep: only the sweep")
@@ -346,10 +355,14 @@ def main(argv=None):
         print_table(data)
         plot(data, args.figure)
         return
+    if args.no_grid and not args.sweep:
+        ap.error("--no-grid leaves nothing to run without --sweep")
     if args.eager:
-        data = {"eager": eager_calls()}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(data, indent=1))
+        out = args.out
+        if out == DEFAULT_OUT:
+            out = DEFAULT_OUT.with_name("fsq_kernels_eager.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"eager": eager_calls()}, indent=1))
         return
     contexts = [4096, 32768] if args.quick else [4096, 16384, 32768, 131072]
     batches = [1, 8] if args.quick else [1, 8, 32]

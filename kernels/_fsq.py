@@ -16,9 +16,10 @@
 RoPE with a theta uses exact argument reduction: ``pos = hi * 2^11 + lo``, the angles of both
 parts come from float64-computed float32 tables (``_fsq_plan.theta_tables``, in L2) and are
 combined with the angle-sum formula, so angles stay exact to float32 at any position below
-2^22. Without explicit positions (consecutive ones) a block takes ``angle(base)`` once and
-``angle(j)`` from the low table's first ``BLOCK_N`` rows; explicit ``(cos, sin)`` tables are
-read at the position.
+2^22 (no float32 product ``pos * inv_freq``; cos and sin within a few ulp). Without explicit
+positions (consecutive ones) a block takes ``angle(base)`` once and ``angle(j)`` from the low
+table's first ``BLOCK_N`` rows (two angle-sum steps); explicit ``(cos, sin)`` tables are read
+at the position.
 """
 
 from __future__ import annotations
@@ -142,8 +143,9 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
                   KV_HEADS, GROUP, HALF, WIDTH, SPLIT_LEN, NBYTES: tl.constexpr,
                   BITS: tl.constexpr, SUBS: tl.constexpr, ROPE: tl.constexpr,
                   HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_POS: tl.constexpr,
-                  DEC_F32: tl.constexpr, WIDEN: tl.constexpr, PREFETCH: tl.constexpr,
-                  CODE_T: tl.constexpr, Q_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                  DEC_F32: tl.constexpr, PREFETCH: tl.constexpr, CODE_T: tl.constexpr,
+                  Q_T: tl.constexpr, KEY_ROUND: tl.constexpr, P_ROUND: tl.constexpr,
+                  BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr,
                   BLOCK_H: tl.constexpr):
     split = tl.program_id(0)
@@ -217,13 +219,13 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
             # keys rounded to the query's dtype (as a dense cache holds them); the weights to
             # the codes' dtype (the codes are exact in it, the weight sum uses the rounded
             # weights too)
-            score = _mm(q1, tl.trans(k1.to(Q_T)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
-                        False)
-            score = _mm(q2, tl.trans(k2.to(Q_T)), score, False) * qk_scale
+            score = _mm(q1, tl.trans(k1.to(KEY_ROUND).to(Q_T)),
+                        tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False)
+            score = _mm(q2, tl.trans(k2.to(KEY_ROUND).to(Q_T)), score, False) * qk_scale
             score = tl.where(n_ok[None, :], score, float("-inf"))
             m_new = tl.maximum(m, tl.max(score, axis=1))
             alpha = tl.math.exp2(m - m_new)
-            p = tl.math.exp2(score - m_new[:, None]).to(CODE_T)
+            p = tl.math.exp2(score - m_new[:, None]).to(P_ROUND).to(CODE_T)
             l = l * alpha + tl.sum(p.to(tl.float32), axis=1)
             acc = _mm(p, z, acc * alpha[:, None], DEC_F32)
             m = m_new
@@ -303,8 +305,10 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
         raise ValueError(f"backend='triton': {reason}")
     tune = SPLIT_TUNING
     block_n = tune["block_n"] if block_n is None else block_n
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if block_n < 16 or block_n & (block_n - 1) or block_n > 1 << ROPE_RADIX_BITS:
+        # (a block's angles come from the first block_n rows of the 2^11-row low table)
+        raise ValueError(f"block_n must be a power of two in [16, {1 << ROPE_RADIX_BITS}], "
+                         f"got {block_n}")
     check_num_splits(num_splits)
     batch, q_heads, head_dim = p.query.shape
     kv_heads, width = p.kv_heads, p.width
@@ -337,8 +341,12 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
     subs = 8 // bits
     nbytes = codes.shape[2]
     block_b = max(pow2(nbytes), 16 // subs)
-    widen = interpreted()  # the interpreter reads bfloat16 dot operands as raw bits
-    code_t = tl.float32 if widen or kd.dtype == torch.float32 else _TL[kd.dtype]
+    # the interpreter reads bfloat16 dot operands as raw bits: there the operands are float32,
+    # rounded first to the dtypes the GPU's products take (keys: the query's; weights: the
+    # codes'), so interpreted runs check that rounding too
+    widen = interpreted()
+    p_round = tl.float32 if kd.dtype == torch.float32 else _TL[kd.dtype]
+    code_t = tl.float32 if widen else p_round
     _split_kernel[(splits, batch * kv_heads)](
         p.query, codes, pos, p.archived_lengths, p.sink_lengths, kd, kb, kn,
         cos_a, sin_a, cos_b, sin_b, acc, ml, qk_scale, p.eps,
@@ -347,9 +355,10 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
         kv_heads, group, half, width, split_len, NBYTES=nbytes,
         BITS=bits, SUBS=subs, ROPE=kind, HAS_BIAS=p.key_bias is not None,
         HAS_NORM=p.k_norm is not None, HAS_POS=p.positions is not None,
-        DEC_F32=kd.dtype == torch.float32, WIDEN=widen,
+        DEC_F32=kd.dtype == torch.float32,
         PREFETCH=tune["prefetch"],
-        CODE_T=code_t, Q_T=tl.float32 if widen else _TL[p.query.dtype], BLOCK_M=block_m,
+        CODE_T=code_t, Q_T=tl.float32 if widen else _TL[p.query.dtype],
+        KEY_ROUND=_TL[p.query.dtype], P_ROUND=p_round, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_W=block_b * subs, BLOCK_H=pow2(half, 16),
         num_warps=tune["num_warps"] if num_warps is None else num_warps,
         num_stages=tune["num_stages"] if num_stages is None else num_stages)

@@ -27,11 +27,14 @@ class CapturedCall:
         query: an example query: a CUDA tensor of the shape, dtype and device every later
             call passes.
 
-    The first call of ``fn`` (compiling its kernels) runs on a side stream before the capture.
-    Calls replay on the current stream. Re-create the object when ``fn``'s buffers move.
+    The first call of ``fn`` (compiling its kernels) runs on a side stream before the capture,
+    both on the query's device. Calls replay on that device's current stream. Re-create the
+    object when ``fn``'s buffers move. Each object holds its own graph memory pool (what ``fn``
+    allocates: the kernels' scratch and the output).
 
     Raises:
-        ValueError: ``query`` is not a CUDA tensor.
+        ValueError: ``query`` is not a CUDA tensor; at a call, a query of another shape, dtype
+            or device than the example's (named).
     """
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor):
@@ -39,18 +42,27 @@ class CapturedCall:
             raise ValueError(f"CapturedCall needs a CUDA query, got "
                              f"{getattr(query, 'device', type(query).__name__)}")
         self.query = query.clone()
-        side = torch.cuda.Stream(device=query.device)
-        side.wait_stream(torch.cuda.current_stream(query.device))
-        with torch.cuda.stream(side):
-            fn(self.query)  # compile and warm up outside the capture
-        torch.cuda.current_stream(query.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = fn(self.query)
+        with torch.cuda.device(query.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn(self.query)  # compile and warm up outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=side):
+                self.out = fn(self.query)
 
     def __call__(self, query: torch.Tensor) -> torch.Tensor:
-        """``fn(query)``: ``query`` of the example's shape and dtype (not checked). A new tensor
+        """``fn(query)`` for ``query`` of the example's shape, dtype and device: a new tensor
         (the graph's own output is overwritten by the next call)."""
-        self.query.copy_(query)
-        self.graph.replay()
-        return self.out.clone()
+        q = self.query
+        if not isinstance(query, torch.Tensor) or (query.shape, query.dtype, query.device) != (
+                q.shape, q.dtype, q.device):
+            got = ((query.shape, query.dtype, query.device) if isinstance(query, torch.Tensor)
+                   else type(query).__name__)
+            raise ValueError(f"this call was captured for a query {tuple(q.shape)} {q.dtype} on "
+                             f"{q.device}, got {got}")
+        with torch.cuda.device(q.device):
+            q.copy_(query)
+            self.graph.replay()
+            return self.out.clone()

@@ -26,3 +26,7 @@ def test_gpu_replay_sees_new_queries_and_buffers_changed_in_place():
     kept = call(torch.ones(4, 3, device="cuda"))
     call(torch.zeros(4, 3, device="cuda"))
     assert kept.abs().sum() > 0  # each call returns its own tensor, not the graph's output
+    for bad in (torch.zeros(1, 3, device="cuda"), torch.zeros(4, 3, device="cuda").double(),
+                torch.zeros(4, 3)):  # copy_ would broadcast / cast these silently
+        with pytest.raises(ValueError, match=r"captured for a query \(4, 3\) torch.float32"):
+            call(bad)

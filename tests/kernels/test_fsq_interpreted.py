@@ -118,6 +118,13 @@ def test_every_split_kernel_setting_the_sweep_tries(monkeypatch, tuning):
     check(make_fsq_case(archived=90, levels=2, width=40), num_splits=2)
 
 
+def test_consecutive_positions_past_the_low_table():
+    # positions sinks + n run past 2^11: each block's base angle takes the high table, its
+    # offsets the low table's first rows
+    check(make_fsq_case(archived=2300, q_heads=2, kv_heads=1, head_dim=16, width=16,
+                        archived_lengths=[2300, 2100]), num_splits=3)
+
+
 def test_large_scores_do_not_overflow():
     case = make_fsq_case(archived=60)
     case["query"] = case["query"] * 30
