@@ -10,7 +10,10 @@ and batch, in the same process, every path decodes ``--steps`` tokens:
 - ``dynamic-flash``: the same with SDPA forced to the flash backend;
 - ``static-compiled``: ``StaticCache`` sized to the context, the forward compiled as
   ``generate`` compiles it (inductor, ``mode="reduce-overhead"``: CUDA graphs);
-- ``codes-eager``: ``CodesOnlyCache(capacity=...)``, the trusted per-step path, eager;
+- ``codes-eager``: ``CodesOnlyCache(capacity=...)``, the trusted per-step path, eager (each
+  layer's kernel call replayed from a captured CUDA graph, ``kernels.CapturedCall``);
+- ``codes-eager-launched``: the same with ``capture_eager_steps = False`` (the kernels launched
+  from Python every step);
 - ``codes-compiled``: the same cache, the forward compiled like ``static-compiled``.
 
 Compiled paths run only at ``--compiled-points`` (compiling is most of their cost here).
@@ -46,7 +49,7 @@ from model_adapters.caches.window import DEFAULT_REWIND  # noqa: E402
 from model_adapters.models import cache_kwarg, kv_shape  # noqa: E402
 from model_adapters.quant.quantizer import KVQuantizer  # noqa: E402
 
-EAGER = ("dynamic-sdpa", "dynamic-flash", "codes-eager")
+EAGER = ("dynamic-sdpa", "dynamic-flash", "codes-eager", "codes-eager-launched")
 COMPILED = ("static-compiled", "codes-compiled")
 SINKS, RECENT = 4, 32
 
@@ -233,7 +236,9 @@ def make_cache(path, model, q, capacity):
         return DynamicCache(config=model.config)
     if path == "static-compiled":
         return StaticCache(config=model.config, max_cache_len=capacity)
-    return CodesOnlyCache(model, q, sinks=SINKS, recent=RECENT, capacity=capacity)
+    cache = CodesOnlyCache(model, q, sinks=SINKS, recent=RECENT, capacity=capacity)
+    cache.capture_eager_steps = path != "codes-eager-launched"
+    return cache
 
 
 def set_attention(model, path):
@@ -329,14 +334,21 @@ def _kernel_point(model, q, shape, device, dtype, n) -> dict:
     def codes(x):
         return kernels.static_decode_attention(x, coded, scale=0.088, backend=layer.kernel_backend)
 
-    captured = kernels.CapturedCall(codes, query) if query.is_cuda else codes
+    captured, capture = codes, {}
+    if query.is_cuda:  # the one-off cost of a capture: its time and the memory it reserves
+        sync()
+        reserved, t0 = torch.cuda.memory_reserved(), time.perf_counter()
+        captured = kernels.CapturedCall(codes, query)
+        sync()
+        capture = {"capture_s": time.perf_counter() - t0,
+                   "capture_reserved_MiB": (torch.cuda.memory_reserved() - reserved) / 2**20}
     calls = {
         "codes kernel": lambda: codes(query),
         "codes kernel captured": lambda: captured(query),
         "sdpa default": lambda: sdpa(q4, k, v, enable_gqa=True),
         "sdpa flash": flash,
     }
-    row = {"context": n, "codes backend": layer.kernel_backend}
+    row = {"context": n, "codes backend": layer.kernel_backend, **capture}
     for name, fn in calls.items():
         for _ in range(5):
             fn()
