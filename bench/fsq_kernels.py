@@ -183,15 +183,20 @@ def time_rvq(shape, context, batch):
             "rvq_bytes_per_token": shape["kv_heads"] * (ks + vs)}
 
 
+# (block_n, num_warps, prefetch, query_rotation, norm_in_score) x programs per SM; the first
+# sweep also tried 4 warps and no prefetch (slower everywhere: bench/results/fsq_kernels.json)
+SWEEP_KNOBS = [(bn, 8, True, qrot, nis) for bn in (64, 128)
+               for qrot, nis in ((False, False), (True, False), (False, True), (True, True))]
+SWEEP_PER_SM = (2, 4)
+
+
 def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
     """The split kernel's tuning knobs (positions per step, warps, register prefetch of the
-    next block, programs per multiprocessor) at a few shapes of the Qwen3
-    configs the kernel takes, CUDA-graph time. Every variant is first checked against the
-    float32 reference on a ``check_context`` case (a wrong variant is recorded as such, never
-    timed). Returns the rows and, per config, the fastest correct setting at the first
-    point."""
-    import itertools
-
+    next block, query-side base rotation, norm scale on the scores, programs per
+    multiprocessor) at a few shapes of the Qwen3 configs the kernel takes, CUDA-graph time.
+    Every variant is first checked against the float32 reference on a ``check_context`` case
+    (a wrong variant is recorded as such, never timed). Returns the rows and, per config, the
+    fastest correct setting at the first point."""
     import torch
     from fsq_cases import assert_rows_close
 
@@ -199,7 +204,6 @@ def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
     from kernels._fsq_plan import SPLIT_TUNING
 
     out, best = [], {}
-    knobs = list(itertools.product((64, 128), (4, 8), (False, True)))
     for name, shape, width, levels in CONFIGS[1:3]:
         rope = name.startswith("qwen3")
         small = fsq_case(shape, width, levels, check_context, 2, rope)
@@ -207,15 +211,16 @@ def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
         ref = reference_fsq_decode_attention(**small, out_dtype=torch.float32)
         cases = {pt: validate_fsq_args(**fsq_case(shape, width, levels, pt[1], pt[0], rope))
                  for pt in points}
-        for block_n, warps, prefetch in knobs:
-            for per_sm in (1, 2, 4):
+        for block_n, warps, prefetch, qrot, nis in SWEEP_KNOBS:
+            for per_sm in SWEEP_PER_SM:
                 tune = {"block_n": block_n, "num_warps": warps, "num_stages": 1,
-                        "prefetch": prefetch, "programs_per_sm": per_sm}
+                        "prefetch": prefetch, "programs_per_sm": per_sm,
+                        "query_rotation": qrot, "norm_in_score": nis}
                 row = {"config": name, **tune}
                 saved = dict(SPLIT_TUNING)
                 SPLIT_TUNING.update(tune)
                 try:
-                    if per_sm == 1:  # correctness does not depend on the split count
+                    if per_sm == SWEEP_PER_SM[0]:  # correctness does not depend on it
                         assert_rows_close(_fsq.decode(small_problem), ref)
                     for (batch, context), problem in cases.items():
                         row[f"b{batch}_{context}_ms"] = time_ms(
@@ -342,6 +347,8 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
                     help="with --eager the default is fsq_kernels_eager.json beside it")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--contexts", type=int, nargs="+", help="grid contexts (default: 4K-128K)")
+    ap.add_argument("--batches", type=int, nargs="+", help="grid batches (default: 1 8 32)")
     ap.add_argument("--sweep", action="store_true", help="time the split kernel's knobs first")
     ap.add_argument("--no-grid", action="store_true", help="with --sweep: only the sweep")
     ap.add_argument("--eager", action="store_true", help="only the host-side cost of a call "
@@ -364,8 +371,8 @@ def main(argv=None):
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"eager": eager_calls()}, indent=1))
         return
-    contexts = [4096, 32768] if args.quick else [4096, 16384, 32768, 131072]
-    batches = [1, 8] if args.quick else [1, 8, 32]
+    contexts = args.contexts or ([4096, 32768] if args.quick else [4096, 16384, 32768, 131072])
+    batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
     data = {}
     tuning = None
     if args.sweep:
