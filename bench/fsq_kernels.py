@@ -183,20 +183,21 @@ def time_rvq(shape, context, batch):
             "rvq_bytes_per_token": shape["kv_heads"] * (ks + vs)}
 
 
-# (block_n, num_warps, prefetch, query_rotation, norm_in_score) x programs per SM; the first
-# sweep also tried 4 warps and no prefetch (slower everywhere: bench/results/fsq_kernels.json)
-SWEEP_KNOBS = [(bn, 8, True, qrot, nis) for bn in (64, 128)
-               for qrot, nis in ((False, False), (True, False), (False, True), (True, True))]
-SWEEP_PER_SM = (2, 4)
+# (block_n, num_warps, prefetch) x programs per SM. Variants measured and removed because
+# they were slower: a transposed score product (fsq_kernels_sweep_transposed.json), the query
+# rotated by each block's base angle and the RMS scale applied to the scores
+# (fsq_kernels_sweep_lean.json)
+SWEEP_KNOBS = [(bn, warps, prefetch) for bn in (64, 128) for warps in (4, 8)
+               for prefetch in (False, True)]
+SWEEP_PER_SM = (1, 2, 4)
 
 
 def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
     """The split kernel's tuning knobs (positions per step, warps, register prefetch of the
-    next block, query-side base rotation, norm scale on the scores, programs per
-    multiprocessor) at a few shapes of the Qwen3 configs the kernel takes, CUDA-graph time.
-    Every variant is first checked against the float32 reference on a ``check_context`` case
-    (a wrong variant is recorded as such, never timed). Returns the rows and, per config, the
-    fastest correct setting at the first point."""
+    next block, programs per multiprocessor) at a few shapes of the Qwen3 configs the kernel
+    takes, CUDA-graph time. Every variant is first checked against the float32 reference on a
+    ``check_context`` case (a wrong variant is recorded as such, never timed). Returns the
+    rows and, per config, the fastest correct setting at the first point."""
     import torch
     from fsq_cases import assert_rows_close
 
@@ -211,11 +212,10 @@ def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
         ref = reference_fsq_decode_attention(**small, out_dtype=torch.float32)
         cases = {pt: validate_fsq_args(**fsq_case(shape, width, levels, pt[1], pt[0], rope))
                  for pt in points}
-        for block_n, warps, prefetch, qrot, nis in SWEEP_KNOBS:
+        for block_n, warps, prefetch in SWEEP_KNOBS:
             for per_sm in SWEEP_PER_SM:
                 tune = {"block_n": block_n, "num_warps": warps, "num_stages": 1,
-                        "prefetch": prefetch, "programs_per_sm": per_sm,
-                        "query_rotation": qrot, "norm_in_score": nis}
+                        "prefetch": prefetch, "programs_per_sm": per_sm}
                 row = {"config": name, **tune}
                 saved = dict(SPLIT_TUNING)
                 SPLIT_TUNING.update(tune)

@@ -99,36 +99,27 @@ def _angle_sum(cos_a, sin_a, cos_b, sin_b):
 
 
 @triton.jit
-def _base_angle(cos_a, sin_a, cos_b, sin_b, base, dd, dd_ok, HALF):
-    """``(cos, sin)`` ``(BLOCK_H,)`` float32 of position ``base`` (below 2^22) from the two
-    exact tables: ``angle(base) = angle(hi * 2^11) + angle(lo)``."""
-    base_lo = (base & RADIX_MASK) * HALF + dd
-    base_hi = (base >> RADIX_BITS) * HALF + dd
-    return _angle_sum(tl.load(cos_a + base_lo, mask=dd_ok, other=1.0),
-                      tl.load(sin_a + base_lo, mask=dd_ok, other=0.0),
-                      tl.load(cos_b + base_hi, mask=dd_ok, other=1.0),
-                      tl.load(sin_b + base_hi, mask=dd_ok, other=0.0))
-
-
-@triton.jit
 def _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, base, n_ok, dd, dd_ok, HALF,
-                 ROPE: tl.constexpr, CONSECUTIVE: tl.constexpr, QROT: tl.constexpr):
+                 ROPE: tl.constexpr, CONSECUTIVE: tl.constexpr):
     """``(cos1, sin1, cos2, sin2)`` ``(BLOCK_N, BLOCK_H)`` float32 for the first and second key
     halves at positions ``pos``; ``CONSECUTIVE``: ``pos`` is ``base + arange`` (base the
-    block's first position, below the RoPE table's 2^22); ``QROT`` (with ``CONSECUTIVE``):
-    the angles of ``pos - base`` alone (the query takes the base rotation)."""
+    block's first position, below the RoPE table's 2^22)."""
     ok = n_ok[:, None] & dd_ok[None, :]
     if ROPE == 1:  # theta: angle(pos) = angle(hi * 2^11) + angle(lo), both from exact tables
         if CONSECUTIVE:
             # positions base, base + 1, ... (as a cache without explicit positions holds them):
-            # angle(pos - base) from the low table's first rows, the same rows for every
-            # block (they stay in L1), plus angle(base) once as a vector
+            # angle(base) once as a vector, angle(pos - base) from the low table's first
+            # rows, the same rows for every block (they stay in L1)
+            base_lo = (base & RADIX_MASK) * HALF + dd
+            base_hi = (base >> RADIX_BITS) * HALF + dd
+            cb, sb = _angle_sum(tl.load(cos_a + base_lo, mask=dd_ok, other=1.0),
+                                tl.load(sin_a + base_lo, mask=dd_ok, other=0.0),
+                                tl.load(cos_b + base_hi, mask=dd_ok, other=1.0),
+                                tl.load(sin_b + base_hi, mask=dd_ok, other=0.0))
             rows = (pos - base)[:, None] * HALF + dd[None, :]
-            cos = tl.load(cos_a + rows, mask=ok, other=1.0)
-            sin = tl.load(sin_a + rows, mask=ok, other=0.0)
-            if not QROT:
-                cb, sb = _base_angle(cos_a, sin_a, cos_b, sin_b, base, dd, dd_ok, HALF)
-                cos, sin = _angle_sum(cos, sin, cb[None, :], sb[None, :])
+            cos, sin = _angle_sum(tl.load(cos_a + rows, mask=ok, other=1.0),
+                                  tl.load(sin_a + rows, mask=ok, other=0.0),
+                                  cb[None, :], sb[None, :])
         else:
             lo = (pos & RADIX_MASK)[:, None] * HALF + dd[None, :]
             hi = (pos >> RADIX_BITS)[:, None] * HALF + dd[None, :]
@@ -152,8 +143,7 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
                   KV_HEADS, GROUP, HALF, WIDTH, SPLIT_LEN, NBYTES: tl.constexpr,
                   BITS: tl.constexpr, SUBS: tl.constexpr, ROPE: tl.constexpr,
                   HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_POS: tl.constexpr,
-                  DEC_F32: tl.constexpr, PREFETCH: tl.constexpr, QROT: tl.constexpr,
-                  NORM_IN_SCORE: tl.constexpr, CODE_T: tl.constexpr,
+                  DEC_F32: tl.constexpr, PREFETCH: tl.constexpr, CODE_T: tl.constexpr,
                   Q_T: tl.constexpr, KEY_ROUND: tl.constexpr, P_ROUND: tl.constexpr,
                   BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -179,13 +169,8 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
         dec2 = tl.load(dec + HALF * kd_sd, mask=dec_ok, other=0.0).to(CODE_T)
         q_ok = g_ok[:, None] & dd_ok[None, :]
         q_rows = q_ptr + b * q_sb + heads[:, None] * q_sh + dd[None, :]
-        q1 = tl.load(q_rows, mask=q_ok, other=0.0)
-        q2 = tl.load(q_rows + HALF, mask=q_ok, other=0.0)
-        if QROT:  # rotated per block by the block's base angle: float32 before rounding
-            q1f = q1.to(tl.float32)
-            q2f = q2.to(tl.float32)
-        q1 = q1.to(Q_T)
-        q2 = q2.to(Q_T)
+        q1 = tl.load(q_rows, mask=q_ok, other=0.0).to(Q_T)
+        q2 = tl.load(q_rows + HALF, mask=q_ok, other=0.0).to(Q_T)
         if HAS_BIAS:
             b1 = tl.load(kb_ptr + kvh * kb_sh + dd, mask=dd_ok, other=0.0).to(tl.float32)
             b2 = tl.load(kb_ptr + kvh * kb_sh + HALF + dd, mask=dd_ok, other=0.0).to(tl.float32)
@@ -221,33 +206,22 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
             if HAS_NORM:  # padded columns are zero: the sums cover the head exactly
                 ms = (tl.sum(k1 * k1, axis=1) + tl.sum(k2 * k2, axis=1)) / (2 * HALF)
                 r = tl.math.rsqrt(ms + eps)
-                if NORM_IN_SCORE:  # the per-position scale moves to the scores (BLOCK_N values)
-                    k1 = k1 * w1[None, :]
-                    k2 = k2 * w2[None, :]
-                else:
-                    k1 = k1 * r[:, None] * w1[None, :]
-                    k2 = k2 * r[:, None] * w2[None, :]
+                k1 = k1 * r[:, None] * w1[None, :]
+                k2 = k2 * r[:, None] * w2[None, :]
             if ROPE > 0:
                 if HAS_POS:
                     pos = tl.load(pos_base + n * p_sn, mask=n_ok, other=0).to(tl.int32)
                 else:
                     pos = sink + n
                 cos1, sin1, cos2, sin2 = _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, sink + n0,
-                                                      n_ok, dd, dd_ok, HALF, ROPE, not HAS_POS,
-                                                      QROT)
+                                                      n_ok, dd, dd_ok, HALF, ROPE, not HAS_POS)
                 k1, k2 = k1 * cos1 - k2 * sin1, k2 * cos2 + k1 * sin2
-                if QROT:  # q . R(base + j) k = (R(base)^T q) . R(j) k
-                    cb, sb = _base_angle(cos_a, sin_a, cos_b, sin_b, sink + n0, dd, dd_ok, HALF)
-                    q1 = (q1f * cb[None, :] + q2f * sb[None, :]).to(KEY_ROUND).to(Q_T)
-                    q2 = (q2f * cb[None, :] - q1f * sb[None, :]).to(KEY_ROUND).to(Q_T)
             # keys rounded to the query's dtype (as a dense cache holds them); the weights to
             # the codes' dtype (the codes are exact in it, the weight sum uses the rounded
             # weights too)
             score = _mm(q1, tl.trans(k1.to(KEY_ROUND).to(Q_T)),
                         tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False)
             score = _mm(q2, tl.trans(k2.to(KEY_ROUND).to(Q_T)), score, False) * qk_scale
-            if HAS_NORM and NORM_IN_SCORE:
-                score = score * r[None, :]
             score = tl.where(n_ok[None, :], score, float("-inf"))
             m_new = tl.maximum(m, tl.max(score, axis=1))
             alpha = tl.math.exp2(m - m_new)
@@ -383,8 +357,6 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
         HAS_NORM=p.k_norm is not None, HAS_POS=p.positions is not None,
         DEC_F32=kd.dtype == torch.float32,
         PREFETCH=tune["prefetch"],
-        QROT=tune["query_rotation"] and kind == 1 and p.positions is None,
-        NORM_IN_SCORE=tune["norm_in_score"],
         CODE_T=code_t, Q_T=tl.float32 if widen else _TL[p.query.dtype],
         KEY_ROUND=_TL[p.query.dtype], P_ROUND=p_round, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_W=block_b * subs, BLOCK_H=pow2(half, 16),

@@ -32,7 +32,7 @@ MIN_SPLIT_LEN = 256  # archived positions per split program, at least
 # `python bench/fsq_kernels.py --sweep` on an H200 at both Qwen3-8B widths, 256 and 84;
 # bench/results/fsq_kernels.json)
 SPLIT_TUNING = {"block_n": 128, "num_warps": 8, "num_stages": 1, "prefetch": True,
-                "programs_per_sm": 4, "query_rotation": False, "norm_in_score": False}
+                "programs_per_sm": 4}
 
 
 def level_list(levels, width: int) -> tuple[int, ...]:

@@ -107,9 +107,7 @@ def test_split_count_does_not_change_the_result():
 
 
 @pytest.mark.parametrize("tuning", [{"block_n": 16, "prefetch": False},
-                                    {"block_n": 64, "prefetch": True, "num_warps": 4},
-                                    {"block_n": 32, "query_rotation": True,
-                                     "norm_in_score": True}])
+                                    {"block_n": 64, "prefetch": True, "num_warps": 4}])
 def test_every_split_kernel_setting_the_sweep_tries(monkeypatch, tuning):
     # bench/fsq_kernels.py --sweep times these knobs on the GPU; each must stay correct
     from kernels import _fsq_plan
@@ -118,9 +116,6 @@ def test_every_split_kernel_setting_the_sweep_tries(monkeypatch, tuning):
         monkeypatch.setitem(_fsq_plan.SPLIT_TUNING, name, value)
     check(make_fsq_case(archived=150, positions=7, archived_lengths=[150, 33]), num_splits=3)
     check(make_fsq_case(archived=90, levels=2, width=40), num_splits=2)
-    # consecutive positions past the low table (the query-side base rotation's case)
-    check(make_fsq_case(archived=2300, q_heads=2, kv_heads=1, head_dim=16, width=16,
-                        archived_lengths=[2300, 2100]), num_splits=3)
 
 
 def test_consecutive_positions_past_the_low_table():
