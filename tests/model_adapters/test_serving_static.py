@@ -233,6 +233,53 @@ def test_gpu_captured_eager_steps_match_launched_steps():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def reorder_select_crop_reset(model, cache):
+    """Decode steps around a beam reorder, a batch selection, a crop and a reset (batch 2):
+    each step's logits and the layer-0 captures alive after it."""
+    kw = cache_kwarg(model)
+    swap = torch.tensor([1, 0], device="cuda")
+    logits, captures = [], []
+
+    def prefill(ids):
+        model(ids[:, :-1], **{kw: cache})
+        return ids
+
+    def steps(ids, n):
+        for _ in range(n):
+            out = model(ids[:, -1:], **{kw: cache}).logits[:, -1].float()
+            logits.append(out)
+            captures.append(len(cache.layers[0]._captured))
+            ids = torch.cat([ids, out.argmax(-1, keepdim=True)], dim=1)
+        return ids
+
+    with torch.no_grad():
+        ids = steps(prefill(IDS[:, :16].cuda()), 4)
+        cache.reorder_cache(swap)  # in place: the same capture reads the new contents
+        ids = steps(ids[swap], 3)
+        cache.batch_select_indices(swap)  # new buffers of the same shape: a new capture
+        ids = steps(ids[swap], 3)
+        cache.crop(-2)  # lengths change in place
+        ids = steps(ids[:, :-2], 3)
+        cache.reset()
+        steps(prefill(IDS[:, 20:32].cuda()), 3)
+    return torch.stack(logits), captures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_captured_steps_follow_reorder_select_crop_and_reset():
+    model = use_codes_attention(TINY_MODELS["qwen3"]().to(torch.bfloat16).cuda())
+    q = random_quantizer(model)
+    runs = {}
+    for capture in (False, True):
+        cache = CodesOnlyCache(model, q, sinks=2, recent=3, rewind=2, capacity=48)
+        cache.capture_eager_steps = capture
+        runs[capture] = reorder_select_crop_reset(model, cache)
+    (want, none), (got, captures) = runs[False], runs[True]
+    assert set(none) == {0} and captures == [1] * len(captures)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_compiled_steps_past_the_capacity_are_reported_at_the_next_eager_call():
     _, model = model_pair("gpt2")
     q = random_quantizer(model)
