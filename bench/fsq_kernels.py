@@ -15,6 +15,7 @@ It measures the copy bandwidth and a bf16 matmul in the same run and states both
 per row: bytes moved / bandwidth, tensor-core FLOPs / matmul rate. Also extra peak memory.
 
     python bench/fsq_kernels.py --out bench/results/fsq_kernels.json [--quick] [--sweep]
+        [--contexts 32768 131072] [--batches 1 8]
     python bench/fsq_kernels.py --plot bench/results/fsq_kernels.json   # table + docs figure
 """
 
