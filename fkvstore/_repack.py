@@ -11,10 +11,10 @@ the root attribute ``fkv_remote_head`` (:data:`fkvstore.layout.REMOTE_HEAD_ATTR`
 reader fetches that head in one request when it opens the archive; after that only chunks of
 points and large arrays cost requests (``docs/remote.md``).
 
-The copy is otherwise the same archive (datasets through HDF5's object copy, groups and
-attributes as they are, unfinished ``.new_`` arrays left out): any fkvstore and any HDF5 reader
-reads it, and opened for writing locally it behaves as any archive (the head attribute is then
-a hint that may be stale; correctness never depends on it).
+The copy is otherwise the same archive (datasets with their creation properties and stored
+chunk bytes, groups and attributes as they are, unfinished ``.new_`` arrays left out): any
+fkvstore and any HDF5 reader reads it, and opened for writing locally it behaves as any archive
+(the head attribute is then a hint that may be stale; correctness never depends on it).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _write(src, dst_path, groups, datasets, large, meta_bytes):
             _copy_attrs(src[name], dst.create_group(name))
         for name in datasets:
             parent, _, leaf = name.rpartition("/")
-            src.copy(src[name], dst[parent or "/"], name=leaf)
+            _copy_dataset(src[name], dst[parent or "/"], leaf)
         dst.flush()
         extents = sorted(e for name in large for e in _extents(dst[name]))
         eof = dst.id.get_filesize()
@@ -91,6 +91,24 @@ def _write(src, dst_path, groups, datasets, large, meta_bytes):
         spilled |= eof > pos
         dst.attrs.modify(layout.REMOTE_HEAD_ATTR, np.uint64(head))  # same size: in place
     return head, spilled
+
+
+def _copy_dataset(ds: h5py.Dataset, group: h5py.Group, leaf: str) -> None:
+    """``ds`` as ``group[leaf]``: its creation properties (chunks, filters, fill value) as
+    they are, chunks copied as stored bytes (no decompressing), attributes with their types.
+    (Not HDF5's object copy: that fails on a file reopened for writing in SWMR mode.)"""
+    new = h5py.h5d.create(group.id, leaf.encode(), ds.id.get_type(), ds.id.get_space(),
+                          dcpl=ds.id.get_create_plist())
+    out = h5py.Dataset(new)
+    if ds.chunks:
+        def move(info):
+            mask, data = ds.id.read_direct_chunk(info.chunk_offset)
+            out.id.write_direct_chunk(info.chunk_offset, data, mask)
+
+        ds.id.chunk_iter(move)
+    elif ds.size:
+        out[...] = ds[...]
+    _copy_attrs(ds, out)
 
 
 def _copy_attrs(src, dst) -> None:

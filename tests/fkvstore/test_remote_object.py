@@ -183,6 +183,24 @@ def test_publish_from_a_writer_commits_first(tmp_path, memory_url):
         assert ar["s"][:, 0].tolist() == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("mode", ["a", "r+"])
+def test_publish_from_a_reopened_writer(tmp_path, memory_url, mode):
+    # a file reopened for writing is in SWMR mode, where HDF5's object copy fails
+    path = tmp_path / "w.h5"
+    with fkvstore.open(path, "w") as ar:
+        ar.create_stream("s", 16).extend(np.arange(3000) % 16)
+        ar.put_array("table", np.arange(12.0).reshape(3, 4))
+    with fkvstore.open(path, mode) as ar:
+        ar["s"].extend([5, 6])  # buffered
+        ar.publish(memory_url)
+        ar["s"].extend([7])  # the writer goes on after publishing
+    with fkvstore.open(memory_url) as ar:
+        assert ar["s"][:, 0].tolist() == (np.arange(3000) % 16).tolist() + [5, 6]
+        assert ar.get_array("table").tolist() == np.arange(12.0).reshape(3, 4).tolist()
+    with fkvstore.open(path) as ar:
+        assert ar["s"][-3:, 0].tolist() == [5, 6, 7]
+
+
 def test_a_damaged_source_is_not_published(local_archive, tmp_path, memory_url):
     path, _ = local_archive
     bad = tmp_path / "bad.h5"
