@@ -257,3 +257,29 @@ def test_index_is_kept_between_calls(archive, monkeypatch, capsys):
         assert ar["t"].search("l").tolist() == [3, 4, 11]
     code, _ = run(["index", str(archive), "kv", "--column", "3"], monkeypatch=monkeypatch)
     assert code == 2 and "has width 3" in capsys.readouterr().err
+
+
+def test_search_loads_the_stored_index_only_with_trust_index(archive, monkeypatch, capsys):
+    from fkvstore import stream_search
+
+    assert run(["index", str(archive), "t"], monkeypatch=monkeypatch)[0] == 0
+    assert "'fkv search --trust-index' loads it" in capsys.readouterr().err
+    real, used = stream_search.SuffixIndex, []
+
+    class Spy:
+        @staticmethod
+        def build(*args, **kwargs):
+            used.append("built")
+            return real.build(*args, **kwargs)
+
+        @staticmethod
+        def from_state(*args, **kwargs):
+            used.append("loaded")
+            return real.from_state(*args, **kwargs)
+
+    monkeypatch.setattr(stream_search, "SuffixIndex", Spy)
+    for flags, want in (([], "built"), (["--trust-index"], "loaded")):
+        used.clear()
+        code, out = run(["search", str(archive), "t", "l", *flags], monkeypatch=monkeypatch)
+        assert code == 0 and used == [want]
+        assert [line.split(b"\t")[0] for line in out.splitlines()] == [b"3:4", b"4:5", b"11:12"]
