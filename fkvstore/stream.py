@@ -256,10 +256,20 @@ class Stream(SearchMixin):
                     f"row {int(key)} out of range for stream {self.name!r} of {n} rows"
                 )
             return self._row(i)
-        if isinstance(key, tuple) and len(key) == 2:  # (rows, columns), as numpy
-            if isinstance(key[0], (int, np.integer)) and not isinstance(key[0], bool):
-                return np.atleast_1d(self[key[0]])[key[1]]
-            return self._select(key[0], n)[:, key[1]]
+        if isinstance(key, tuple):  # (rows, columns), as numpy
+            if len(key) > 2:
+                raise IndexError(f"too many indices for stream {self.name!r}: {len(key)} given, "
+                                 "at most 2 (rows, columns)")
+            if len(key) < 2:
+                return self._getitem(key[0] if key else slice(None))
+            rows, columns = key
+            one = isinstance(rows, (int, np.integer)) and not isinstance(rows, bool)
+            picked = np.atleast_1d(self[rows]) if one else self._select(rows, n)
+            try:
+                return picked[columns] if one else picked[:, columns]
+            except IndexError:
+                raise IndexError(f"column index {columns!r} out of range for stream "
+                                 f"{self.name!r} of width {self.width}") from None
         rows = self._select(key, n)
         return rows[:, 0] if self.width == 1 else rows
 

@@ -159,6 +159,14 @@ def test_read_shapes_and_indexing(path, geometry, width):
             np.testing.assert_array_equal(st[idx], want[idx])
             assert st.shape == want.shape and np.asarray(st).shape == want.shape
             np.testing.assert_array_equal(st[1:9, 0], data[1:9, 0])
+            np.testing.assert_array_equal(st[(7,)], st[7])  # a 1-tuple is its element
+            np.testing.assert_array_equal(st[()], want)
+            with pytest.raises(IndexError, match="too many indices for stream 's': 3 given"):
+                st[0, 0, 0]
+            for bad in ((3, width), (slice(0, 4), -width - 1), ([1, 2], [0, width])):
+                with pytest.raises(IndexError, match=f"column index .* stream 's' of width "
+                                                     f"{width}"):
+                    st[bad]
             np.testing.assert_array_equal(st.read(), data)
             got = np.array(list(st))
             np.testing.assert_array_equal(got.reshape(2000, width), data)
