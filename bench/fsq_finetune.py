@@ -165,6 +165,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_out_option(p, "fsq-finetune")
     args = p.parse_args(argv)
+    if not args.tau > 0 and args.check_only is None:
+        p.error(f"--tau must be > 0 (the conversion alone is the run's first row), got "
+                f"{args.tau}")
     args.lengths = [int(v) for v in args.lengths.split(",")]
     torch.manual_seed(0)
     started = time.time()

@@ -46,6 +46,31 @@ def _kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     return (t.exp() * (t - s)).sum(-1).mean()
 
 
+def _next_batch(it, step: int, steps: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The next ``(ids, answer_mask)`` pair, checked; ValueError when ``batches`` ran out or
+    yields something else."""
+    try:
+        batch = next(it)
+    except StopIteration:
+        raise ValueError(f"batches ran out after {step} of steps={steps}") from None
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise ValueError(f"batches must yield (ids, answer_mask) pairs, got "
+                         f"{type(batch).__name__} at step {step}")
+    ids, answer = batch
+    if not (isinstance(ids, torch.Tensor) and ids.ndim == 2 and not ids.is_floating_point()
+            and ids.dtype != torch.bool):
+        got = (f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor)
+               else type(ids).__name__)
+        raise ValueError(f"ids must be a (batch, tokens) integer tensor, got {got} at step "
+                         f"{step}")
+    if answer is not None and (not isinstance(answer, torch.Tensor) or answer.shape != ids.shape):
+        shape = (str(tuple(answer.shape)) if isinstance(answer, torch.Tensor)
+                 else type(answer).__name__)
+        raise ValueError(f"answer_mask must be None or a tensor of the ids' shape "
+                         f"{tuple(ids.shape)}, got {shape} at step {step}")
+    return ids, answer
+
+
 def finetune_fsq(model, batches: Iterable, *, steps: int, lr: float = 2e-3,
                  warmup: float = 0.05, final: float = 0.05, weight_decay: float = 0.0,
                  teacher=None, kl_weight: float = 0.0, answer_weight: float = 1.0,
@@ -57,7 +82,7 @@ def finetune_fsq(model, batches: Iterable, *, steps: int, lr: float = 2e-3,
         model: an FSQ-converted causal LM (its other parameters are frozen here and stay so).
         batches: yields ``(ids, answer_mask)``: ``(batch, tokens)`` int64 and ``(batch,
             tokens)`` float (1 on answer tokens) or None.
-        steps: optimiser steps (``steps_for_tau``).
+        steps: optimiser steps (``steps_for_tau``), >= 1; ``batches`` must yield as many.
         teacher: the original model, for ``kl_weight > 0``.
         autocast: a dtype to autocast the forward passes to (e.g. ``torch.bfloat16`` on CUDA).
         tau: recorded as ``model.config.fsq_tau`` when training ends.
@@ -68,6 +93,11 @@ def finetune_fsq(model, batches: Iterable, *, steps: int, lr: float = 2e-3,
     """
     if kl_weight > 0 and teacher is None:
         raise ValueError("kl_weight > 0 needs the teacher (the original model)")
+    for name, value in (("steps", steps), ("log_every", log_every)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
     params = bottleneck_parameters(model)
     train = {id(p) for p in params}
     for p in model.parameters():
@@ -87,37 +117,39 @@ def finetune_fsq(model, batches: Iterable, *, steps: int, lr: float = 2e-3,
     ctx = (torch.autocast(device.type, dtype=autocast) if autocast is not None
            else torch.autocast(device.type, enabled=False))
     log, t0, it = [], time.time(), iter(batches)
-    for step in range(steps):
-        ids, answer = next(it)
-        ids = ids.to(device)
-        with ctx:
-            logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-        nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                              ids[:, 1:].reshape(-1), reduction="none").view(ids.shape[0], -1)
-        lm = nll.mean()
-        loss = lm
-        ans = torch.zeros((), device=device)
-        if answer is not None and answer_weight:
-            mask = answer.to(device)[:, 1:].float()
-            ans = (nll * mask).sum() / mask.sum().clamp(min=1)
-            loss = loss + answer_weight * ans
-        kl = torch.zeros((), device=device)
-        if kl_weight > 0:
-            with torch.no_grad(), ctx:
-                target = teacher(input_ids=ids, use_cache=False).logits[:, :-1]
-            kl = _kl(logits, target)
-            loss = loss + kl_weight * kl
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        if step % log_every == 0 or step == steps - 1:
-            log.append({"step": step, "loss": round(loss.item(), 4), "lm": round(lm.item(), 4),
-                        "answer": round(ans.item(), 4), "kl": round(kl.item(), 4),
-                        "seconds": round(time.time() - t0, 1)})
-    for p in params:
-        p.requires_grad_(False)
+    try:  # the backbone's parameters end frozen, also when a batch is refused
+        for step in range(steps):
+            ids, answer = _next_batch(it, step, steps)
+            ids = ids.to(device)
+            with ctx:
+                logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+            nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                  ids[:, 1:].reshape(-1), reduction="none").view(ids.shape[0], -1)
+            lm = nll.mean()
+            loss = lm
+            ans = torch.zeros((), device=device)
+            if answer is not None and answer_weight:
+                mask = answer.to(device)[:, 1:].float()
+                ans = (nll * mask).sum() / mask.sum().clamp(min=1)
+                loss = loss + answer_weight * ans
+            kl = torch.zeros((), device=device)
+            if kl_weight > 0:
+                with torch.no_grad(), ctx:
+                    target = teacher(input_ids=ids, use_cache=False).logits[:, :-1]
+                kl = _kl(logits, target)
+                loss = loss + kl_weight * kl
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            if step % log_every == 0 or step == steps - 1:
+                log.append({"step": step, "loss": round(loss.item(), 4), "lm": round(lm.item(), 4),
+                            "answer": round(ans.item(), 4), "kl": round(kl.item(), 4),
+                            "seconds": round(time.time() - t0, 1)})
+    finally:
+        for p in params:
+            p.requires_grad_(False)
     if tau is not None:
         model.config.fsq_tau = float(tau)
     return log

@@ -261,6 +261,21 @@ def test_finetuning_trains_only_the_bottleneck(converted):
     assert not any(p.requires_grad for p in model.parameters())
     with pytest.raises(ValueError, match="teacher"):
         finetune_fsq(model, batches(), steps=1, kl_weight=1.0)
+    # bad arguments are refused before training, bad batches when they come; either way the
+    # run records no tau and leaves every parameter frozen
+    for bad, match in (({"steps": 0}, "steps must be an int >= 1, got 0"),
+                       ({"steps": -1}, "steps must be an int >= 1, got -1"),
+                       ({"steps": 2, "lr": 0.0}, "lr must be > 0, got 0.0")):
+        with pytest.raises(ValueError, match=match):
+            finetune_fsq(model, batches(), tau=0.5, **bad)
+    for feed, match in (([(tokens[:64].view(2, 32), None)], "ran out after 1 of steps=2"),
+                        ([tokens[:64].view(2, 32)], "must yield \\(ids, answer_mask\\) pairs"),
+                        ([(tokens[:64].float().view(2, 32), None)], "integer tensor, got"),
+                        ([(tokens[:64].view(2, 32), torch.ones(2, 31))], "of the ids' shape")):
+        with pytest.raises(ValueError, match=match):
+            finetune_fsq(model, iter(feed), steps=2, tau=0.5)
+    assert model.config.fsq_tau == 0.001
+    assert not any(p.requires_grad for p in model.parameters())
 
 
 def test_tau_budget():
