@@ -103,11 +103,11 @@ def symbol_array(symbols, alphabet_size: int, *, ndim: tuple[int, ...] = (1, 2),
         raise TypeError(f"{name} must have an integer dtype, got {arr.dtype} "
                         "(convert with .astype(np.int64) if the values are whole numbers)")
     if arr.dtype.kind not in "iu":
-        items = symbols if isinstance(symbols, (list, tuple)) else arr.reshape(-1).tolist()
+        items = _flat(symbols, arr) if from_python else arr.reshape(-1).tolist()
         for i, v in enumerate(items):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise TypeError(f"{name} must be integers, got {v!r} ({type(v).__name__}) "
-                                f"at index {i}")
+                                f"at index {_fmt_flat(i, arr)}")
         raise TypeError(f"{name} must be integers, got an array of dtype {arr.dtype}")
     if check_range and arr.size and (arr.min() < 0 or arr.max() >= alphabet_size):
         raise_out_of_range(arr, alphabet_size, name)

@@ -246,6 +246,7 @@ def test_bad_input_appends_nothing(path):
             ([[1, 2, 3]], ValueError, "rows of width 2"),
             (np.ones((2, 2), np.float32), TypeError, "integer dtype, got float32"),
             ([["a", "b"]], TypeError, "must be integers"),
+            ([[1, 1]] * 50 + [[1, "a"]], TypeError, r"got 'a' \(str\) at index \(50, 1\)"),
         ]:
             with pytest.raises(exc, match=msg):
                 s.extend(bad)
