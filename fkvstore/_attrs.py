@@ -39,15 +39,20 @@ class Attrs(MutableMapping):
         if not isinstance(key, str) or key.startswith(layout.RESERVED_PREFIX):
             raise KeyError(key)
         with layout.damaged_metadata(f"attribute {key!r} of {self._path!r}"):
-            value = self._group().attrs[key]
+            present = key in self._group().attrs
+            value = self._group().attrs[key] if present else None
+        if not present:
+            raise KeyError(key)
         self._check()
         return value.decode("utf-8") if isinstance(value, bytes) else value
 
     def __setitem__(self, key: str, value) -> None:
         key = self._check_key(key)
-        if isinstance(value, str) and "\0" in value:
+        if (isinstance(value, str) and "\0" in value) or (isinstance(value, bytes)
+                                                           and b"\0" in value):
             raise ValueError(f"attribute {key!r}: HDF5 strings cannot hold a NUL character "
-                             f"({value!r}); store bytes or an array instead")
+                             f"({value!r}); store it as a uint8 array instead")
+        check_attrs_storable({key: value}, repr(self._path))  # before the file is touched
         with self._session.structural():
             self._check()  # never seal damage in
             self._group().attrs[key] = value

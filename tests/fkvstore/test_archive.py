@@ -283,6 +283,15 @@ def test_attrs(path):
         del ar.attrs["layers"]
         with pytest.raises(KeyError):
             del ar.attrs["layers"]
+        with pytest.raises(KeyError, match="^'nope'$"):
+            ar.attrs["nope"]
+        assert ar.attrs.get("nope", 7) == 7
+        for bad in ("a\0b", b"a\0b"):
+            with pytest.raises(ValueError, match="attribute 'nul'.* NUL .*uint8 array"):
+                ar.attrs["nul"] = bad
+        for bad in (None, object(), {"k": 1}):
+            with pytest.raises(TypeError, match="attribute 'odd' of .* nothing was written"):
+                s.attrs["odd"] = bad
     with fkvstore.open(path) as ar:
         assert dict(ar.attrs) == {"model": "gpt2"}
         assert dict(ar["s"].attrs) == {"unit": "token"}
