@@ -157,10 +157,11 @@ class Session:
     def check_writable(self) -> None:
         self.check_open()
         if not self.writable:
+            fix = ("an archive opened from a URL is read-only: change a local copy and "
+                   "publish it" if self.remote else
+                   "open it with mode 'a' or 'r+' to change it")
             raise ArchiveReadOnlyError(
-                f"archive {self.path!r} is open read-only (mode 'r'); open it with mode 'a' or "
-                "'r+' to change it"
-            ) from None
+                f"archive {self.path!r} is open read-only (mode 'r'); {fix}") from None
 
     def bind(self, group_path: str, rebind: Callable[[h5py.Group], None], *,
              detach: Callable[[], None], has_pending: Callable[[], bool],

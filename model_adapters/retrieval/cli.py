@@ -87,6 +87,8 @@ def _validate(args):
             raise ValueError(f"--{name} {getattr(args, name)} must be at least 1")
     if args.repro_items < 0:
         raise ValueError(f"--repro-items {args.repro_items} must be at least 0")
+    if args.max_seconds is not None and not args.max_seconds > 0:
+        raise ValueError(f"--max-seconds {args.max_seconds} must be > 0")
     for n in args.lengths:
         if n < 128:
             raise ValueError(f"--lengths {n} is too short for an item (at least 128)")

@@ -90,7 +90,7 @@ def test_publish_to_memory_round_trip(local_archive, memory_url):
         assert ar["log"].search("loss 0.5").tolist() == local["log"].search("loss 0.5").tolist()
         assert not any(ar.verify().values())
         ar.refresh()  # a published object does not change: a no-op, not an error
-        with pytest.raises(fkvstore.errors.ArchiveReadOnlyError):
+        with pytest.raises(fkvstore.errors.ArchiveReadOnlyError, match="from a URL is read-only"):
             ar["kv"].append([1, 2, 3, 4])
 
 

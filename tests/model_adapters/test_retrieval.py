@@ -236,6 +236,7 @@ def test_cli_smoke_on_a_tiny_model(tiny_run, capsys):
     (["--tasks", "sideways"], "'sideways' is not one of"),
     (["--items", "0"], "--items 0"),
     (["--lengths", "64"], "--lengths 64 is too short"),
+    (["--max-seconds", "-5"], "--max-seconds -5.0 must be > 0"),
 ])
 def test_cli_rejects_bad_input_before_work(tiny_run, capsys, args, message):
     model_dir, books, _ = tiny_run
