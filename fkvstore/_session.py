@@ -321,6 +321,7 @@ class Session:
             try:
                 self._file = _h5_open(self.path, "r+")
             except (OSError, RuntimeError) as exc:
+                _raise_if_open_here(exc, self.path)
                 raise ArchiveFormatError(
                     f"{self.path!r} cannot be opened as an HDF5 archive ({exc}); it may be "
                     "truncated or damaged"
@@ -360,7 +361,11 @@ class Session:
                 layout.record_durability(self.h5, "fsync")
                 self._sync()
             else:
-                self._file = h5py.File(self.path, "w", libver=LIBVER, locking=False)
+                try:
+                    self._file = h5py.File(self.path, "w", libver=LIBVER, locking=False)
+                except OSError as exc:
+                    _raise_if_open_here(exc, self.path)
+                    raise
                 self._created = True
                 layout.init_file(self._file, library_version)
                 self._enter_swmr()
@@ -372,7 +377,11 @@ class Session:
     def _enter_swmr(self) -> None:
         f = self.h5
         f.flush()
-        f.swmr_mode = True
+        try:
+            f.swmr_mode = True
+        except RuntimeError as exc:
+            _raise_if_open_here(exc, self.path)
+            raise
         self._swmr = True
 
 
@@ -385,6 +394,16 @@ _OPEN_REMOTE: weakref.WeakSet[Session] = weakref.WeakSet()
 def _close_remote_sessions() -> None:
     for session in list(_OPEN_REMOTE):
         session.close()
+
+
+def _raise_if_open_here(exc: Exception, path: str) -> None:
+    """ArchiveLockedError when HDF5 refused ``path`` because this process has it open (a
+    reader, or an earlier handle): HDF5 shares one open file per process, so a writer cannot
+    start beside it."""
+    if "already open" in str(exc) or "already in SWMR writing mode" in str(exc):
+        raise ArchiveLockedError(
+            f"{path!r} is already open in this process (a reader or another handle); close it "
+            "before opening the file for writing") from exc
 
 
 def _h5_open(path: str, h5mode: str, **kw) -> h5py.File:

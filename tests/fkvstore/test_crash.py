@@ -188,3 +188,27 @@ def test_second_writer_is_refused_while_first_lives(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("reader_opened", ["beside a writer", "alone"])
+def test_a_writer_beside_a_reader_in_this_process_is_refused_by_name(tmp_path, reader_opened):
+    # HDF5 shares one open file per process: a writer cannot start while a reader is open
+    path = tmp_path / "a.h5"
+    with fkvstore.open(path, "w") as ar:
+        ar.create_stream("s", 8).extend([1, 2, 3])
+    if reader_opened == "beside a writer":
+        with fkvstore.open(path, "a"):
+            reader = fkvstore.open(path)
+    else:
+        reader = fkvstore.open(path)
+    try:
+        for mode in ("a", "r+", "w"):
+            with pytest.raises(ArchiveLockedError, match="already open in this process"):
+                fkvstore.open(path, mode)
+        assert reader["s"][:, 0].tolist() == [1, 2, 3]
+    finally:
+        reader.close()
+    with fkvstore.open(path, "a") as ar:  # nothing was changed, no lock left behind
+        ar["s"].append(4)
+    with fkvstore.open(path) as ar:
+        assert ar["s"][:, 0].tolist() == [1, 2, 3, 4]
