@@ -16,6 +16,8 @@ model_adapters that imports fkvstore, and it uses only fkvstore's public API.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from model_adapters.models import KVShape, ModelIdentity, kv_shape, model_identity
@@ -52,6 +54,22 @@ def require_fkvstore():
     return fkvstore
 
 
+def open_store(path, mode: str, module: str):
+    """``fkvstore.open(path, mode)``; a missing file or one that exists comes back as the same
+    error with advice naming ``module``'s ``create`` / ``resume`` (not ``fkvstore.open``'s
+    modes, which these functions set themselves)."""
+    fkv = require_fkvstore()
+    try:
+        return fkv.open(path, mode)
+    except fkv.errors.ArchiveNotFoundError:
+        raise fkv.errors.ArchiveNotFoundError(
+            f"no archive at {os.fspath(path)!r}; {module}.create(...) makes one") from None
+    except fkv.errors.ArchiveExistsError:
+        raise fkv.errors.ArchiveExistsError(
+            f"{os.fspath(path)!r} already exists; {module}.resume(...) continues it, or "
+            f"{module}.create(..., mode='w') replaces it") from None
+
+
 def open_for_writing(
     path, model_or_config, quantizer: KVQuantizer, *, sinks: int, recent: int, mode: str = "w",
     identity: ModelIdentity | None = None,
@@ -61,10 +79,9 @@ def open_for_writing(
     The codebooks and the model identity (``identity``, computed from ``model_or_config`` when
     not given) are written at once, so the file is self-contained from the first row on.
     """
-    fkv = require_fkvstore()
     shape = kv_shape(model_or_config)
     identity = identity or model_identity(model_or_config)
-    ar = fkv.open(path, mode)
+    ar = open_store(path, mode, "serving_archive")
     attrs = ar.attrs
     attrs["model_type"] = shape.model_type
     attrs["config_fingerprint"] = identity.config

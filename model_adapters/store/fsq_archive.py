@@ -28,7 +28,11 @@ from model_adapters.caches.fsq_cache import FSQCache
 from model_adapters.models import ModelIdentity, check_identity, model_identity
 from model_adapters.quant.fsq_config import fsq_spec
 from model_adapters.quant.fsq_model import attention_layers
-from model_adapters.store.archive_io import CODES_STREAM, archive_identity, require_fkvstore
+from model_adapters.store.archive_io import (
+    CODES_STREAM,
+    archive_identity,
+    open_store,
+)
 from model_adapters.store.fed_archive import TOKENS_STREAM, FedArchive, model_device, vocab_size
 
 __all__ = ["FsqArchive", "create", "resume"]
@@ -154,7 +158,7 @@ def create(path, model, *, tokenizer=None, backend: str = "auto", mode: str = "w
         raise ValueError(f"the cache holds {cache.get_seq_length()} positions (batch 1 needed) "
                          f"but {ids.size} token ids were given")
     identity = model_identity(model)
-    ar = require_fkvstore().open(path, mode)
+    ar = open_store(path, mode, "fsq_archive")
     try:
         attrs = ar.attrs
         attrs["model_type"] = identity.model_type
@@ -194,7 +198,7 @@ def resume(path, model, *, mode: str = "r+", backend: str = "auto", tokenizer=No
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
     width, levels = _check_model(model)
-    ar = require_fkvstore().open(path, mode)
+    ar = open_store(path, mode, "fsq_archive")
     try:
         identity = model_identity(model)
         recorded = archive_identity(ar)

@@ -39,6 +39,7 @@ from model_adapters.quant.quantizer import KVQuantizer
 from model_adapters.store.archive_io import (
     CODES_STREAM,
     open_for_writing,
+    open_store,
     read_quantizer,
     require_fkvstore,
 )
@@ -281,7 +282,7 @@ def _open_chain(path, mode, model, opened, bind, root=None, seen=None):
     must lie in (default ``path``'s); ``seen``: the files of the chain so far."""
     root = Path(path).resolve().parent if root is None else root
     seen = [file_key(path)] if seen is None else seen
-    ar = require_fkvstore().open(path, mode)
+    ar = open_store(path, mode, "serving_archive")
     opened.append(ar)
     attrs = ar.attrs
     if "parent" not in attrs:

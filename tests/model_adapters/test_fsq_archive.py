@@ -174,6 +174,11 @@ def test_bad_input_is_refused_before_anything_changes(model, tmp_path):
             ar.forward(other, _ids(1))
     with pytest.raises(ValueError, match="mode"):
         fsq_archive.resume(path, model, mode="w")
+    with pytest.raises(FileNotFoundError, match=r"no archive at .*fsq_archive.create\(...\)"):
+        fsq_archive.resume(tmp_path / "missing.fkv", model)
+    with pytest.raises(FileExistsError, match=r"fsq_archive.resume\(...\) continues it"):
+        fsq_archive.create(path, model)
+    assert path.read_bytes() == before
     cache = FSQCache(model)
     _logits(model, _ids(4), cache)
     with pytest.raises(ValueError, match="4 positions"):
