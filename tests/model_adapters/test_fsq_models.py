@@ -63,6 +63,13 @@ def test_conversion_shapes_and_what_is_kept(converted):
             assert torch.equal(value, base_state[name]), name
 
 
+@pytest.mark.parametrize("bad", [IDS[0], IDS.float(), IDS[:, :0], IDS.tolist()])
+def test_bad_calibration_ids_are_refused_by_name(bad):
+    with pytest.raises(ValueError, match="calibration_ids must be a non-empty \\(sequences, "
+                                         "tokens\\) integer tensor, got"):
+        convert_to_fsq(qwen3(), "fsq-w8-L16", bad)
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "gpt2"])
 def test_full_width_fine_levels_reproduce_the_base_model(kind):
     base = BASES[kind]()
