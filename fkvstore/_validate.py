@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -58,12 +59,15 @@ def symbol_array(symbols, alphabet_size: int, *, ndim: tuple[int, ...] = (1, 2),
                  name: str = "symbols", check_range: bool = True) -> np.ndarray:
     """Return ``symbols`` as a C-contiguous integer array, or raise naming the first bad value.
 
-    Accepts any integer array or (nested) sequence of ints; integer dtypes are kept (no copy when
-    already contiguous). Floats, bools, NaN and arrays of the wrong dimensionality are rejected;
-    values outside ``[0, alphabet_size)`` too unless ``check_range=False`` (the codec's kernels
-    check the range in the same pass that encodes, then call :func:`raise_out_of_range`).
+    Accepts any integer array or (nested) sequence or iterator of ints; integer dtypes are kept
+    (no copy when already contiguous). Floats, bools, NaN and arrays of the wrong
+    dimensionality are rejected; values outside ``[0, alphabet_size)`` too unless
+    ``check_range=False`` (the codec's kernels check the range in the same pass that encodes,
+    then call :func:`raise_out_of_range`).
     """
     from_python = False
+    if isinstance(symbols, Iterator):  # a generator: numpy would take it as one object
+        symbols = list(symbols)
     if isinstance(symbols, (bytes, bytearray, memoryview)):
         arr = np.frombuffer(bytes(symbols), dtype=np.uint8)
     else:

@@ -369,7 +369,7 @@ class Archive:
         url = dst if _remote.is_url(dst) else None  # None: a local path
         if url is None and not self._session.remote and (
                 os.path.abspath(dst) == os.path.abspath(self.path)):
-            raise ValueError(f"cannot publish {self.path!r} onto itself; choose another path")
+            raise ValueError(f"cannot copy {self.path!r} onto itself; choose another path")
         if not overwrite and (_remote.remote_exists(url, storage_options) if url is not None
                               else os.path.exists(dst)):
             raise ArchiveExistsError(f"{os.fspath(dst)!r} already exists; pass overwrite=True "

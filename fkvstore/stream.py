@@ -386,8 +386,8 @@ class Stream(SearchMixin):
         self._check_open()
         self._session.check_writable()
         arr = self._check_symbols(rows, "rows", (1, 2))
-        if arr.ndim == 1 and self.width == 1:
-            arr = arr[:, None]
+        if arr.ndim == 1 and (self.width == 1 or arr.size == 0):  # (n,), or [] at any width
+            arr = arr.reshape(-1, self.width)
         if arr.ndim != 2 or arr.shape[1] != self.width:
             raise ValueError(
                 f"stream {self.name!r} takes rows of width {self.width}: pass shape "

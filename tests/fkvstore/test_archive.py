@@ -250,6 +250,10 @@ def test_bad_input_appends_nothing(path):
         ]:
             with pytest.raises(exc, match=msg):
                 s.extend(bad)
+        s.extend([])  # nothing, at any width
+        s.extend(row for row in ([3, 4], [5, 6]))  # an iterator of rows
+        assert s[1:].tolist() == [[3, 4], [5, 6]]
+        s.truncate(1)
         for bad, exc, msg in [(3, ValueError, "2 symbol"), ([1, 10], ValueError, "got 10")]:
             with pytest.raises(exc, match=msg):
                 s.append(bad)
