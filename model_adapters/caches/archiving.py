@@ -442,9 +442,10 @@ class ArchivingCache(Cache):
         # would otherwise fail in the first layer that archives, leaving layers out of step
         if self.rows is not None and self.quantizer is not None:
             self.rows.check_batch(key_states.shape[0])
-        previous = self.layers[layer_idx - 1]  # the last layer, for layer 0
-        if previous.transit is not None:
-            raise unread_error(previous.layer_idx, "archiving cache")
+        if layer_idx == 0:
+            self._check_in_step()
+        elif self.layers[layer_idx - 1].transit is not None:
+            raise unread_error(layer_idx - 1, "archiving cache")
         if layer_idx == 0 and self.quantizer is not None and self.get_seq_length() == 0:
             # a new sequence: its left padding, once (one read-back), from the position ids
             pads = left_pads(kwargs, key_states.shape[-2], self.forward_position_ids)
@@ -453,6 +454,20 @@ class ArchivingCache(Cache):
                 layer.pad_tensor = None if pads is None else torch.tensor(
                     pads, device=key_states.device)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _check_in_step(self) -> None:
+        """Before a forward pass: every layer holds as many positions and none waits to be
+        read. A pass that failed part-way (attention not switched, a rows sink that raised)
+        leaves the layers out of step, and going on would mix positions silently."""
+        if self.layers[-1].transit is not None:
+            raise unread_error(self.layers[-1].layer_idx, "archiving cache")
+        lengths = [layer.get_seq_length() for layer in self.layers]
+        unread = [layer.layer_idx for layer in self.layers if layer.transit is not None]
+        if unread or len(set(lengths)) > 1:
+            raise RuntimeError(
+                f"the archiving cache is out of step after a forward pass that failed part-way "
+                f"(positions per layer {lengths}"
+                f"{f', unread layers {unread}' if unread else ''}); start a new cache")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.rows is not None and self.quantizer is not None:

@@ -176,9 +176,14 @@ def test_prefill_archives_what_token_by_token_decoding_would():
     kw = cache_kwarg(model)
     q = random_quantizer(model)
     # on plain SDPA a prefill that archives cannot show its early queries exact positions
+    failed = ArchivingCache(model, q, sinks=4, recent=8)
     with pytest.raises(RuntimeError, match="use_codes_attention"), torch.no_grad():
-        model(torch.arange(2, 32)[None], **{kw: ArchivingCache(model, q, sinks=4, recent=8)})
+        model(torch.arange(2, 32)[None], **{kw: failed})
     use_codes_attention(model)
+    # the failed pass updated layer 0 only: the cache refuses to go on rather than mix positions
+    with pytest.raises(RuntimeError, match=r"out of step .*positions per layer \[30, 0\]"), \
+            torch.no_grad():
+        model(torch.arange(2, 4)[None], **{kw: failed})
     rows = CodeRows(2, keep=True)
     cache = ArchivingCache(model, q, sinks=4, recent=8, rows=rows)
     with torch.no_grad():
