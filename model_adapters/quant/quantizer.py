@@ -23,7 +23,6 @@ from model_adapters.models import (
     ModelIdentity,
     check_identity,
     kv_shape,
-    max_positions,
     model_identity,
 )
 from model_adapters.quant.configs import QuantConfig, parse_config
@@ -344,7 +343,6 @@ class KVQuantizer:
 
         cfg = parse_config(config) if isinstance(config, str) else config
         shape, identity = kv_shape(model), model_identity(model)
-        context = min(context, max_positions(model))
         keys, values = collect_kv(model, _segments(token_ids), context=context, progress=progress)
         steps = shape.num_layers * ((cfg.key_stages > 0) + (cfg.value_stages > 0))
         with tqdm(total=steps, desc="fit codebooks", unit="layer", disable=not progress) as bar:

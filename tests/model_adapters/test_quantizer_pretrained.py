@@ -112,3 +112,16 @@ def test_a_quantizer_without_identity_checks_the_shape_only():
     ArchivingCache(TINY_MODELS["gpt2"](seed=4), q)
     with pytest.raises(ValueError, match="built for"):
         ArchivingCache(TINY_MODELS["qwen3"](), q)
+
+
+def test_collect_kv_windows_at_most_the_models_positions():
+    from model_adapters.quant.collect import collect_kv
+
+    model = TINY_MODELS["gpt2"]()  # 128 positions
+    run = [2 + i % 50 for i in range(300)]
+    keys, values = collect_kv(model, [run], progress=False)  # default context 1,024
+    want_k, want_v = collect_kv(model, [run], context=128, progress=False)
+    assert keys[0].shape[0] == values[-1].shape[0] == 300
+    assert all(map(torch.equal, keys + values, want_k + want_v))
+    with pytest.raises(ValueError, match="context must be an int >= 1, got 0"):
+        collect_kv(model, [run], context=0)
