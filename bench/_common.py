@@ -61,9 +61,11 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 
 def add_out_option(parser, name: str) -> None:
     """``--out``: where the JSON goes (see :func:`out_name`)."""
+    quick = any("--quick" in action.option_strings for action in parser._actions)
+    default = f"{name}, or {name}-quick with --quick" if quick else name
     parser.add_argument("--out", default=None,
                         help=f"results name under bench/results/, or a path without .json "
-                             f"(default {name}, or {name}-quick with --quick)")
+                             f"(default {default})")
 
 
 def out_name(args, name: str) -> str:

@@ -47,7 +47,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+        if ("default" in text or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)
 
