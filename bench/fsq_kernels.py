@@ -365,6 +365,10 @@ def main(argv=None):
         return
     if args.no_grid and not args.sweep:
         ap.error("--no-grid leaves nothing to run without --sweep")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/fsq_kernels.py needs a CUDA GPU (--plot reads a saved result)")
     if args.eager:
         out = args.out
         if out == DEFAULT_OUT:

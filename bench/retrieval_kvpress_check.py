@@ -34,12 +34,14 @@ def kept_positions(cache, keys_full):
 
 
 def main() -> None:
-    import kvpress
-
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
     p.add_argument("--tokens", type=int, default=300)
     args = p.parse_args()
+    try:
+        import kvpress
+    except ImportError:
+        raise SystemExit("bench/retrieval_kvpress_check.py needs kvpress") from None
     torch.manual_seed(0)
     cfg = Qwen3Config(num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, intermediate_size=128,

@@ -51,7 +51,9 @@ def _lengths(name: str, value, batch: int, full: int, device: torch.device,
     if value is None:
         return torch.full((batch,), full, dtype=torch.int32, device=device), full
     if isinstance(value, (list, tuple)):
-        try:  # ints only: a float would be truncated silently
+        try:  # ints only: a float would be truncated silently, a bool taken as 0 or 1
+            if any(isinstance(v, bool) for v in value):
+                raise TypeError("booleans are not lengths")
             value = torch.tensor([operator.index(v) for v in value], dtype=torch.int64)
         except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
             raise ValueError(

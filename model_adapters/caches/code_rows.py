@@ -48,6 +48,9 @@ class CodeRows:
         *,
         keep: bool = False,
     ):
+        if sink is not None and not callable(sink):
+            raise TypeError(f"sink must be a callable taking each batch of rows, got "
+                            f"{type(sink).__name__} {sink!r}")
         self.num_layers = num_layers
         self.sink = sink
         self.keep = keep or sink is None

@@ -84,8 +84,8 @@ def parse_config(name: str) -> QuantConfig:
             raise ValueError(
                 f"config {name!r} does not follow the grammar: exact, "
                 "{pooled|perhead}-k{K}-s{S}[-keysonly|-valuesonly], "
-                "{pooled|perhead|hybrid}-k{K}-K{a}V{b}, "
-                "or all"
+                "{pooled|perhead|hybrid}-k{K}-K{a}V{b} ('all', the paper's rows, is a list "
+                "of names: expand_configs)"
             )
         kind, k, ks, vs = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
         s = max(ks, vs)

@@ -102,6 +102,7 @@ def test_auto_backend_on_cpu_is_the_reference():
         ({"scale": "0.5"}, "scale must be a positive"),
         ({"archived_lengths": [1.9, 4.99]}, "archived_lengths must hold integers"),
         ({"archived_lengths": ["x", "y"]}, "archived_lengths must hold integers"),
+        ({"archived_lengths": [True, 3]}, "archived_lengths must hold integers.*booleans"),
         ({"archived_lengths": [1, None]}, "archived_lengths must hold integers"),
         ({"archived_lengths": [2**63, 1]}, "archived_lengths must hold integers"),
         ({"num_splits": 0}, "num_splits must be None or an int"),

@@ -44,6 +44,8 @@ def test_hybrid_is_an_alias_and_all_expands():
     assert parse_config("exact").is_exact
     names = [c.name for c in expand_configs(["exact", "all", "perhead-k16-s1"])]
     assert names == list(ALL_CONFIGS) + ["perhead-k16-s1"]
+    with pytest.raises(ValueError, match="'all', the paper's rows, is a list of names"):
+        parse_config("all")  # one config: 'all' is expand_configs' word
 
 
 @pytest.mark.parametrize(

@@ -220,3 +220,8 @@ def test_a_deep_copy_of_a_quantizer_alone_is_its_own():
     assert c is not q and c.key_codebooks.data_ptr() != q.key_codebooks.data_ptr()
     assert c.content_key() == q.content_key()
     torch.testing.assert_close(c.value_codebooks, q.value_codebooks, rtol=0, atol=0)
+
+
+def test_a_rows_sink_that_cannot_be_called_is_refused_when_built():
+    with pytest.raises(TypeError, match="sink must be a callable .* got int 5"):
+        CodeRows(2, sink=5)
