@@ -30,6 +30,7 @@ from model_adapters.caches.code_rows import CodeRows
 from model_adapters.caches.codes_attention import (
     LAYER_ATTR,
     Transit,
+    check_kv_states,
     left_pads,
     unread_error,
 )
@@ -440,6 +441,7 @@ class ArchivingCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         # checked before any layer changes: a batch above 1 (beams, num_return_sequences)
         # would otherwise fail in the first layer that archives, leaving layers out of step
+        check_kv_states(self.shape, key_states, layer_idx, "archiving cache")
         if self.rows is not None and self.quantizer is not None:
             self.rows.check_batch(key_states.shape[0])
         if layer_idx == 0:

@@ -335,6 +335,17 @@ def require_codes_attention(model_or_config, cache_name: str) -> None:
         )
 
 
+def check_kv_states(shape, key_states: torch.Tensor, layer_idx: int, cache_name: str) -> None:
+    """ValueError, before the cache changes, when a forward's keys do not fit the model the
+    cache was built for (``shape``: its :class:`~model_adapters.models.KVShape`)."""
+    heads, dim = key_states.shape[1], key_states.shape[-1]
+    if layer_idx >= shape.num_layers or (heads, dim) != (shape.kv_heads, shape.head_dim):
+        raise ValueError(
+            f"the {cache_name} was built for a model of {shape.num_layers} layers x "
+            f"{shape.kv_heads} kv heads x {shape.head_dim}, but layer {layer_idx} hands it "
+            f"{heads} kv heads x {dim}: build the cache for the model it runs with")
+
+
 def unread_error(layer_idx: int, cache_name: str) -> RuntimeError:
     """The error a cache raises when the attention function never read a layer it handed over."""
     return RuntimeError(

@@ -30,6 +30,7 @@ from model_adapters.caches.codes_attention import (
     CODES_ATTENTION,  # noqa: F401 (named in the docstrings; importable from here as before)
     LAYER_ATTR,
     Transit,
+    check_kv_states,
     left_pads,
     require_codes_attention,
     unread_error,
@@ -449,6 +450,7 @@ class CodesOnlyCache(Cache):
         return {**self.__dict__, "_on_device": {}}
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        check_kv_states(self.shape, key_states, layer_idx, "codes-only cache")
         if self.rows is not None:
             self.rows.check_batch(key_states.shape[0])
         if self.unread_layer is not None:

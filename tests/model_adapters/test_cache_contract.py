@@ -9,11 +9,12 @@ import os
 import pickle
 
 import pytest
-from adapters_fixtures import torch
+from adapters_fixtures import TINY_MODELS, torch
 from serving_fixtures import model_pair, random_quantizer, step_logits
 
 from model_adapters.caches.archiving import ArchivingCache
 from model_adapters.caches.code_rows import CodeRows
+from model_adapters.caches.codes_attention import use_codes_attention
 from model_adapters.caches.codes_only import CodesOnlyCache, NoDenseKeysError
 from model_adapters.models import cache_kwarg
 from model_adapters.quant import quantizer as quantizer_module
@@ -225,3 +226,19 @@ def test_a_deep_copy_of_a_quantizer_alone_is_its_own():
 def test_a_rows_sink_that_cannot_be_called_is_refused_when_built():
     with pytest.raises(TypeError, match="sink must be a callable .* got int 5"):
         CodeRows(2, sink=5)
+
+
+@pytest.mark.parametrize("make", ["archiving", "codes-only"])
+def test_a_cache_built_for_another_model_is_refused_by_name(make):
+    gpt2 = use_codes_attention(TINY_MODELS["gpt2"]())
+    qwen3 = use_codes_attention(TINY_MODELS["qwen3"]())
+    q = random_quantizer(gpt2)
+    cls = ArchivingCache if make == "archiving" else CodesOnlyCache
+    cache = cls(gpt2, q, sinks=1, recent=2)
+    with pytest.raises(ValueError, match="built for a model of .* but layer 0 hands it"), \
+            torch.no_grad():
+        qwen3(IDS[:1, :6], **{cache_kwarg(qwen3): cache})
+    assert cache.get_seq_length() == 0  # refused before anything changed
+    with torch.no_grad():  # and it still serves its own model
+        gpt2(IDS[:1, :6], **{cache_kwarg(gpt2): cache})
+    assert cache.get_seq_length() == 6
