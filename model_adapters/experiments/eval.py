@@ -163,8 +163,9 @@ def _validate(args) -> list[QuantConfig]:
         "threads",
     ):
         v = getattr(args, name)
-        if v < 0 or (name in ("tokens", "context") and v < 2):
-            raise ValueError(f"--{name.replace('_', '-')} {v} is out of range")
+        low = 2 if name in ("tokens", "context") else 0
+        if v < low:
+            raise ValueError(f"--{name.replace('_', '-')} {v} is out of range (at least {low})")
     if args.sinks + args.recent >= args.tokens - 1:
         raise ValueError(
             f"window too large for the passage: --sinks {args.sinks} + --recent {args.recent} "

@@ -343,7 +343,13 @@ class KVQuantizer:
 
         cfg = parse_config(config) if isinstance(config, str) else config
         shape, identity = kv_shape(model), model_identity(model)
-        keys, values = collect_kv(model, _segments(token_ids), context=context, progress=progress)
+        runs = _segments(token_ids)
+        vocab = model.get_input_embeddings().num_embeddings
+        bad = [t for run in runs for t in run if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids must lie in [0, {vocab}) (the model's vocabulary), got "
+                             f"{bad[:4]}")
+        keys, values = collect_kv(model, runs, context=context, progress=progress)
         steps = shape.num_layers * ((cfg.key_stages > 0) + (cfg.value_stages > 0))
         with tqdm(total=steps, desc="fit codebooks", unit="layer", disable=not progress) as bar:
             q = train_kv_quantizer(

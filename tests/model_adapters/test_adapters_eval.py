@@ -153,6 +153,7 @@ def test_cli_end_to_end(tiny_checkpoint, tmp_path, capsys):
         (["--config", "perhead-k99"], "does not follow the grammar"),
         (["--config", "perhead-k1024-s1", "--train-tokens", "500"], "below the largest codebook"),
         (["--text", "no-such-file.txt"], "is not a file"),
+        (["--sinks", "-1"], "--sinks -1 is out of range (at least 0)"),
     ],
 )
 def test_cli_rejects_bad_input_before_work(tmp_path, capsys, args, message):

@@ -125,3 +125,10 @@ def test_collect_kv_windows_at_most_the_models_positions():
     assert all(map(torch.equal, keys + values, want_k + want_v))
     with pytest.raises(ValueError, match="context must be an int >= 1, got 0"):
         collect_kv(model, [run], context=0)
+
+
+def test_fit_refuses_token_ids_outside_the_vocabulary():
+    model = TINY_MODELS["gpt2"]()
+    vocab = model.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=rf"must lie in \[0, {vocab}\).*got \[{vocab}, -1\]"):
+        KVQuantizer.fit(model, [2, 3, vocab, -1], "perhead-k4-s1", progress=False)
