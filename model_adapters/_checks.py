@@ -11,6 +11,20 @@ def count(value, name: str, low: int = 0) -> int:
     return value
 
 
+def token_ids(value, name: str, where: str = ""):
+    """``value`` if it is a non-empty ``(rows, tokens)`` integer torch tensor, else a ValueError
+    naming ``name``, what it got and ``where`` (e.g. " at step 3")."""
+    import torch
+
+    if (isinstance(value, torch.Tensor) and value.ndim == 2 and value.numel()
+            and not value.is_floating_point() and not value.is_complex()
+            and value.dtype != torch.bool):
+        return value
+    got = (f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
+           else type(value).__name__)
+    raise ValueError(f"{name} must be a non-empty (rows, tokens) integer tensor, got {got}{where}")
+
+
 MODELS_EXTRA = ("torch", "transformers")
 INSTALL_HINT = "pip install torch, then pip install 'fkvstore[models]'"
 

@@ -6,6 +6,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from model_adapters._checks import count
 from model_adapters.models import cache_kwarg, kv_shape, max_positions
 
 __all__ = ["collect_kv"]
@@ -27,9 +28,7 @@ def collect_kv(model, segments: list[list[int]], *, context: int = 1024, progres
         ``(keys, values)``: per layer, ``(n, kv_heads, head_dim)`` float32 on the CPU, n the total
         number of tokens.
     """
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-        raise ValueError(f"context must be an int >= 1, got {context!r}")
-    context = min(context, max_positions(model))
+    context = min(count(context, "context", 1), max_positions(model))
     shape = kv_shape(model)
     device = next(model.parameters()).device
     chunks = [seg[i : i + context] for seg in segments for i in range(0, len(seg), context)]

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from model_adapters._checks import token_ids
 from model_adapters.models import check_identity, model_identity
 from model_adapters.quant.fsq import FsqBottleneck, FsqConfig
 from model_adapters.quant.fsq_config import FSQ_MODEL_TYPES, fsq_spec
@@ -163,14 +164,8 @@ def convert_to_fsq(model, spec, calibration_ids: torch.Tensor | None = None, *,
     kind = getattr(model.config, "model_type", None)
     if kind not in _MODELS:
         raise ValueError(f"convert_to_fsq takes a qwen3 or gpt2 model, got model_type {kind!r}")
-    if calibration_ids is not None and not (
-            isinstance(calibration_ids, torch.Tensor) and calibration_ids.ndim == 2
-            and calibration_ids.numel() and not calibration_ids.is_floating_point()
-            and calibration_ids.dtype != torch.bool):
-        got = (f"{tuple(calibration_ids.shape)} {calibration_ids.dtype}"
-               if isinstance(calibration_ids, torch.Tensor) else type(calibration_ids).__name__)
-        raise ValueError(f"calibration_ids must be a non-empty (sequences, tokens) integer "
-                         f"tensor, got {got}")
+    if calibration_ids is not None:
+        token_ids(calibration_ids, "calibration_ids")
     param = next(model.parameters())
     base = {k: v for k, v in model.config.to_dict().items()
             if k not in ("model_type", "architectures", "transformers_version")}

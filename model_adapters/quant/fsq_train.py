@@ -20,6 +20,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from model_adapters._checks import count, token_ids
 from model_adapters.quant.fsq_model import bottlenecks
 
 __all__ = ["bottleneck_parameters", "finetune_fsq", "steps_for_tau"]
@@ -57,12 +58,7 @@ def _next_batch(it, step: int, steps: int) -> tuple[torch.Tensor, torch.Tensor |
         raise ValueError(f"batches must yield (ids, answer_mask) pairs, got "
                          f"{type(batch).__name__} at step {step}")
     ids, answer = batch
-    if not (isinstance(ids, torch.Tensor) and ids.ndim == 2 and not ids.is_floating_point()
-            and ids.dtype != torch.bool):
-        got = (f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor)
-               else type(ids).__name__)
-        raise ValueError(f"ids must be a (batch, tokens) integer tensor, got {got} at step "
-                         f"{step}")
+    token_ids(ids, "ids", f" at step {step}")
     if answer is not None and (not isinstance(answer, torch.Tensor) or answer.shape != ids.shape):
         shape = (str(tuple(answer.shape)) if isinstance(answer, torch.Tensor)
                  else type(answer).__name__)
@@ -93,9 +89,8 @@ def finetune_fsq(model, batches: Iterable, *, steps: int, lr: float = 2e-3,
     """
     if kl_weight > 0 and teacher is None:
         raise ValueError("kl_weight > 0 needs the teacher (the original model)")
-    for name, value in (("steps", steps), ("log_every", log_every)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    count(steps, "steps", 1)
+    count(log_every, "log_every", 1)
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr!r}")
     params = bottleneck_parameters(model)

@@ -65,7 +65,7 @@ def test_conversion_shapes_and_what_is_kept(converted):
 
 @pytest.mark.parametrize("bad", [IDS[0], IDS.float(), IDS[:, :0], IDS.tolist()])
 def test_bad_calibration_ids_are_refused_by_name(bad):
-    with pytest.raises(ValueError, match="calibration_ids must be a non-empty \\(sequences, "
+    with pytest.raises(ValueError, match="calibration_ids must be a non-empty \\(rows, "
                                          "tokens\\) integer tensor, got"):
         convert_to_fsq(qwen3(), "fsq-w8-L16", bad)
 
@@ -270,14 +270,16 @@ def test_finetuning_trains_only_the_bottleneck(converted):
         finetune_fsq(model, batches(), steps=1, kl_weight=1.0)
     # bad arguments are refused before training, bad batches when they come; either way the
     # run records no tau and leaves every parameter frozen
-    for bad, match in (({"steps": 0}, "steps must be an int >= 1, got 0"),
-                       ({"steps": -1}, "steps must be an int >= 1, got -1"),
+    for bad, match in (({"steps": 0}, "steps must be a positive int, got 0"),
+                       ({"steps": -1}, "steps must be a positive int, got -1"),
                        ({"steps": 2, "lr": 0.0}, "lr must be > 0, got 0.0")):
         with pytest.raises(ValueError, match=match):
             finetune_fsq(model, batches(), tau=0.5, **bad)
     for feed, match in (([(tokens[:64].view(2, 32), None)], "ran out after 1 of steps=2"),
                         ([tokens[:64].view(2, 32)], "must yield \\(ids, answer_mask\\) pairs"),
-                        ([(tokens[:64].float().view(2, 32), None)], "integer tensor, got"),
+                        ([(tokens[:64].float().view(2, 32), None)],
+                         r"ids must be a non-empty \(rows, tokens\) integer tensor, got "
+                         r"\(2, 32\) torch.float32 at step 0"),
                         ([(tokens[:64].view(2, 32), torch.ones(2, 31))], "of the ids' shape")):
         with pytest.raises(ValueError, match=match):
             finetune_fsq(model, iter(feed), steps=2, tau=0.5)

@@ -123,7 +123,7 @@ def test_collect_kv_windows_at_most_the_models_positions():
     want_k, want_v = collect_kv(model, [run], context=128, progress=False)
     assert keys[0].shape[0] == values[-1].shape[0] == 300
     assert all(map(torch.equal, keys + values, want_k + want_v))
-    with pytest.raises(ValueError, match="context must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="context must be a positive int, got 0"):
         collect_kv(model, [run], context=0)
 
 

@@ -177,13 +177,19 @@ def test_generate_with_a_capacity_gives_the_growing_cache_tokens():
     assert torch.equal(out["static"], out["growing"])
 
 
+def gpu_qwen3():
+    """The tiny Qwen3 in bf16 on the GPU, switched to the codes attention, and a random
+    quantizer for it."""
+    model = use_codes_attention(TINY_MODELS["qwen3"]().to(torch.bfloat16).cuda())
+    return model, random_quantizer(model)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_generate_compiles_with_cuda_graphs_and_matches_eager():
     from torch._dynamo.utils import counters
 
-    model = use_codes_attention(TINY_MODELS["qwen3"]().to(torch.bfloat16).cuda())
-    q = random_quantizer(model)
+    model, q = gpu_qwen3()
     kw = cache_kwarg(model)
     ids = IDS[:, :16].cuda()
     runs = {}
@@ -208,8 +214,7 @@ def test_gpu_generate_compiles_with_cuda_graphs_and_matches_eager():
 def test_gpu_captured_eager_steps_match_launched_steps():
     # eager decode steps replay each layer's captured kernel call; a new batch moves the
     # buffers (repeat_interleave), which must bring a new capture, not a stale replay
-    model = use_codes_attention(TINY_MODELS["qwen3"]().to(torch.bfloat16).cuda())
-    q = random_quantizer(model)
+    model, q = gpu_qwen3()
     kw = cache_kwarg(model)
     runs = {}
     for capture in (False, True):
@@ -268,8 +273,7 @@ def reorder_select_crop_reset(model, cache):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_captured_steps_follow_reorder_select_crop_and_reset():
-    model = use_codes_attention(TINY_MODELS["qwen3"]().to(torch.bfloat16).cuda())
-    q = random_quantizer(model)
+    model, q = gpu_qwen3()
     runs = {}
     for capture in (False, True):
         cache = CodesOnlyCache(model, q, sinks=2, recent=3, rewind=2, capacity=48)
