@@ -188,8 +188,9 @@ def time_rvq(shape, context, batch):
 # they were slower: a transposed score product (fsq_kernels_sweep_transposed.json), the query
 # rotated by each block's base angle and the RMS scale applied to the scores
 # (fsq_kernels_sweep_lean.json)
-SWEEP_KNOBS = [(bn, warps, prefetch) for bn in (64, 128) for warps in (4, 8)
-               for prefetch in (False, True)]
+SWEEP_KNOBS = [{"block_n": bn, "num_warps": warps, "prefetch": prefetch, "nibbles": nibbles}
+               for bn in (64, 128) for warps in (4, 8) for prefetch in (False, True)
+               for nibbles in (False, True)]
 SWEEP_PER_SM = (1, 2, 4)
 
 
@@ -213,10 +214,9 @@ def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
         ref = reference_fsq_decode_attention(**small, out_dtype=torch.float32)
         cases = {pt: validate_fsq_args(**fsq_case(shape, width, levels, pt[1], pt[0], rope))
                  for pt in points}
-        for block_n, warps, prefetch in SWEEP_KNOBS:
+        for knobs in SWEEP_KNOBS:
             for per_sm in SWEEP_PER_SM:
-                tune = {"block_n": block_n, "num_warps": warps, "num_stages": 1,
-                        "prefetch": prefetch, "programs_per_sm": per_sm}
+                tune = {**knobs, "num_stages": 1, "programs_per_sm": per_sm}
                 row = {"config": name, **tune}
                 saved = dict(SPLIT_TUNING)
                 SPLIT_TUNING.update(tune)
