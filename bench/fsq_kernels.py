@@ -184,19 +184,22 @@ def time_rvq(shape, context, batch):
             "rvq_bytes_per_token": shape["kv_heads"] * (ks + vs)}
 
 
-# (block_n, num_warps, prefetch) x programs per SM. Variants measured and removed because
-# they were slower: a transposed score product (fsq_kernels_sweep_transposed.json), the query
+# split-kernel settings x programs per SM. Variants measured and removed because they were
+# slower: a transposed score product (fsq_kernels_sweep_transposed.json), scores and
+# weighted codes both transposed (the sweep in fsq_kernels.json), the query
 # rotated by each block's base angle and the RMS scale applied to the scores
-# (fsq_kernels_sweep_lean.json)
-SWEEP_KNOBS = [{"block_n": bn, "num_warps": warps, "prefetch": prefetch, "nibbles": nibbles}
-               for bn in (64, 128) for warps in (4, 8) for prefetch in (False, True)
-               for nibbles in (False, True)]
-SWEEP_PER_SM = (1, 2, 4)
+# (fsq_kernels_sweep_lean.json), 16-level codes unpacked by bit operations on 16-bit words
+# (fsq_kernels_sweep_nibbles.json)
+SWEEP_KNOBS = [{"block_n": bn, "num_warps": warps, "prefetch": prefetch, "no_licm": no_licm}
+               for bn, warps, prefetch, no_licm in ((128, 8, True, False), (128, 8, True, True),
+                                                    (64, 4, True, True), (128, 8, False, True))]
+SWEEP_PER_SM = (2, 4)
 
 
 def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
     """The split kernel's tuning knobs (positions per step, warps, register prefetch of the
-    next block, programs per multiprocessor) at a few shapes of the Qwen3 configs the kernel
+    next block, the loop's live ranges, programs per multiprocessor) at
+    a few shapes of the Qwen3 configs the kernel
     takes, CUDA-graph time. Every variant is first checked against the float32 reference on a
     ``check_context`` case (a wrong variant is recorded as such, never timed). Returns the
     rows and, per config, the fastest correct setting at the first point."""

@@ -85,59 +85,6 @@ def _unpack(byte, BITS: tl.constexpr, SUBS: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _unpack_nibbles(word, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                    DTYPE: tl.constexpr):
-    """4-bit codes of 16-bit words ``(BLOCK_N, BLOCK_B)`` as ``(BLOCK_N, BLOCK_B * 4)``
-    ``1 + code / 16`` in ``DTYPE`` (coordinate ``4k + j`` is nibble ``j`` of word ``k``).
-
-    No integer-to-float conversion: the nibble is shifted into the top four mantissa bits of
-    1.0 (bits 3-6 in bfloat16, 6-9 in float16) and OR-ed in, which is ``1 + code / 16``
-    exactly; a shift and a ``lop3`` per two codes (``ASM``: as inline PTX on packed pairs).
-    The caller undoes the affine map (key bias, weight sum): the offset is of the codes'
-    own size, so no precision is lost to cancellation. The interpreter (``DTYPE`` float32)
-    computes the same values arithmetically."""
-    if DTYPE == tl.float32:
-        x = word.to(tl.int32) & 0xFFFF
-        c0 = 1.0 + (x & 15).to(tl.float32) / 16
-        c1 = 1.0 + ((x >> 4) & 15).to(tl.float32) / 16
-        c2 = 1.0 + ((x >> 8) & 15).to(tl.float32) / 16
-        c3 = 1.0 + (x >> 12).to(tl.float32) / 16
-    elif ASM and DTYPE == tl.bfloat16:
-        c0, c1, c2, c3 = tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1, t2, t3;\n"
-            "shl.b32 t0, $4, 3;\n shr.b32 t1, $4, 1;\n"
-            "shr.b32 t2, $4, 5;\n shr.b32 t3, $4, 9;\n"
-            "lop3.b32 $0, t0, 0x00780078, 0x3F803F80, 0xea;\n"
-            "lop3.b32 $1, t1, 0x00780078, 0x3F803F80, 0xea;\n"
-            "lop3.b32 $2, t2, 0x00780078, 0x3F803F80, 0xea;\n"
-            "lop3.b32 $3, t3, 0x00780078, 0x3F803F80, 0xea;\n}",
-            "=r,=r,=r,=r,r", [word], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
-    elif ASM:
-        c0, c1, c2, c3 = tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1, t2, t3;\n"
-            "shl.b32 t0, $4, 6;\n shl.b32 t1, $4, 2;\n"
-            "shr.b32 t2, $4, 2;\n shr.b32 t3, $4, 6;\n"
-            "lop3.b32 $0, t0, 0x03C003C0, 0x3C003C00, 0xea;\n"
-            "lop3.b32 $1, t1, 0x03C003C0, 0x3C003C00, 0xea;\n"
-            "lop3.b32 $2, t2, 0x03C003C0, 0x3C003C00, 0xea;\n"
-            "lop3.b32 $3, t3, 0x03C003C0, 0x3C003C00, 0xea;\n}",
-            "=r,=r,=r,=r,r", [word], dtype=(tl.float16,) * 4, is_pure=True, pack=2)
-    elif DTYPE == tl.bfloat16:
-        x = word.to(tl.uint16, bitcast=True)
-        c0 = (((x << 3) & 0x78) | 0x3F80).to(tl.bfloat16, bitcast=True)
-        c1 = (((x >> 1) & 0x78) | 0x3F80).to(tl.bfloat16, bitcast=True)
-        c2 = (((x >> 5) & 0x78) | 0x3F80).to(tl.bfloat16, bitcast=True)
-        c3 = (((x >> 9) & 0x78) | 0x3F80).to(tl.bfloat16, bitcast=True)
-    else:
-        x = word.to(tl.uint16, bitcast=True)
-        c0 = (((x << 6) & 0x3C0) | 0x3C00).to(tl.float16, bitcast=True)
-        c1 = (((x << 2) & 0x3C0) | 0x3C00).to(tl.float16, bitcast=True)
-        c2 = (((x >> 2) & 0x3C0) | 0x3C00).to(tl.float16, bitcast=True)
-        c3 = (((x >> 6) & 0x3C0) | 0x3C00).to(tl.float16, bitcast=True)
-    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BLOCK_N, BLOCK_B * 4))
-
-
-@triton.jit
 def _mm(a, b, acc, TF32: tl.constexpr):
     """``a @ b + acc`` in float32; ``TF32`` (float32 operands) rounds them to tf32."""
     if TF32:
@@ -197,8 +144,7 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
                   KV_HEADS, GROUP, HALF: tl.constexpr, WIDTH, SPLIT_LEN, NBYTES: tl.constexpr,
                   BITS: tl.constexpr, SUBS: tl.constexpr, ROPE: tl.constexpr,
                   HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_POS: tl.constexpr,
-                  DEC_F32: tl.constexpr, NIBBLES: tl.constexpr, NO_LICM: tl.constexpr,
-                  PREFETCH: tl.constexpr,
+                  DEC_F32: tl.constexpr, NO_LICM: tl.constexpr, PREFETCH: tl.constexpr,
                   CODE_T: tl.constexpr,
                   Q_T: tl.constexpr, KEY_ROUND: tl.constexpr, P_ROUND: tl.constexpr,
                   BLOCK_M: tl.constexpr,
@@ -233,12 +179,6 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
         else:
             b1 = tl.zeros([BLOCK_H], tl.float32)
             b2 = tl.zeros([BLOCK_H], tl.float32)
-        if NIBBLES:
-            # codes arrive as z = 1 + code / 16: the products give raw keys / 16 with the
-            # initial accumulator bias / 16 - (decoder row sums); the factor 16 is left to the
-            # norm (eps / 256, on the host) or, without one, to the score scale
-            b1 = b1 / 16 - tl.sum(dec1.to(tl.float32), axis=0)
-            b2 = b2 / 16 - tl.sum(dec2.to(tl.float32), axis=0)
         if HAS_NORM:
             w1 = tl.load(kn_ptr + dd, mask=dd_ok, other=0.0).to(tl.float32)
             w2 = tl.load(kn_ptr + HALF + dd, mask=dd_ok, other=0.0).to(tl.float32)
@@ -261,10 +201,7 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
                                  BLOCK_B)
             else:
                 byte = _load_rows(row_base + n.to(tl.int64) * c_sn, n_ok, NBYTES, BLOCK_B)
-            if NIBBLES:
-                z = _unpack_nibbles(byte, NIBBLES == 2, BLOCK_N, BLOCK_B, CODE_T)
-            else:
-                z = _unpack(byte, BITS, SUBS, BLOCK_N, BLOCK_B, CODE_T)
+            z = _unpack(byte, BITS, SUBS, BLOCK_N, BLOCK_B, CODE_T)
             # the bias is the products' initial accumulator
             k1 = _mm(z, dec1, tl.broadcast_to(b1[None, :], (BLOCK_N, BLOCK_H)), DEC_F32)
             k2 = _mm(z, dec2, tl.broadcast_to(b2[None, :], (BLOCK_N, BLOCK_H)), DEC_F32)
@@ -294,8 +231,6 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
             l = l * alpha + tl.sum(p.to(tl.float32), axis=1)
             acc = _mm(p, z, acc * alpha[:, None], DEC_F32)
             m = m_new
-        if NIBBLES:  # the weights multiplied 1 + code / 16
-            acc = (acc - l[:, None]) * 16
         out = acc_ptr + b * a_sb + split * a_sp
         tl.store(out + heads[:, None] * a_sh + c[None, :], acc,
                  mask=g_ok[:, None] & c_ok[None, :])
@@ -360,14 +295,6 @@ def _merge_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, ale
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
-def nibble_words(codes: torch.Tensor, bits: int, decoder_dtype) -> bool:
-    """Whether the split kernel may read these codes as 16-bit words of four 4-bit codes: 16
-    levels, 16-bit decoders, whole words per row (even bytes, strides and address)."""
-    return (bits == 4 and decoder_dtype in (torch.float16, torch.bfloat16)
-            and codes.shape[2] % 2 == 0 and codes.stride(2) == 1 and codes.stride(0) % 2 == 0
-            and codes.stride(1) % 2 == 0 and codes.data_ptr() % 2 == 0)
-
-
 def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int | None = None,
            block_n: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Run the two kernels on a validated problem; ``(batch, q_heads, head_dim)`` in the
@@ -416,33 +343,21 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
     subs = 8 // bits
     nbytes = codes.shape[2]
     block_b = max(pow2(nbytes), 16 // subs)
-    nibbles = tune["nibbles"] if nibble_words(codes, bits, kd.dtype) else 0
-    if nibbles:  # 16-bit words of four codes each (see _unpack_nibbles)
-        codes = codes.view(torch.int16)
-        nbytes, block_b, subs = nbytes // 2, block_b // 2, 4
     # the interpreter reads bfloat16 dot operands as raw bits: there the operands are float32,
     # rounded first to the dtypes the GPU's products take (keys: the query's; weights: the
     # codes'), so interpreted runs check that rounding too
     widen = interpreted()
     p_round = tl.float32 if kd.dtype == torch.float32 else _TL[kd.dtype]
     code_t = tl.float32 if widen else p_round
-    # nibble codes give keys / 16 (see the kernel): the norm takes eps / 256, exactly; without
-    # a norm the scores take the factor (the keys' rounding commutes with a power of two)
-    split_scale, split_eps = qk_scale, p.eps
-    if nibbles:
-        if p.k_norm is None:
-            split_scale *= 16
-        else:
-            split_eps /= 256
     _split_kernel[(splits, batch * kv_heads)](
         p.query, codes, pos, p.archived_lengths, p.sink_lengths, kd, kb, kn,
-        cos_a, sin_a, cos_b, sin_b, acc, ml, split_scale, split_eps,
+        cos_a, sin_a, cos_b, sin_b, acc, ml, qk_scale, p.eps,
         p.query.stride(0), p.query.stride(1), codes.stride(0), codes.stride(1), p_sb, p_sn,
         *kd.stride(), kb.stride(0), *acc.stride()[:3], *ml.stride()[:3],
         kv_heads, group, half, width, split_len, NBYTES=nbytes,
         BITS=bits, SUBS=subs, ROPE=kind, HAS_BIAS=p.key_bias is not None,
         HAS_NORM=p.k_norm is not None, HAS_POS=p.positions is not None,
-        DEC_F32=kd.dtype == torch.float32, NIBBLES=nibbles, NO_LICM=tune["no_licm"],
+        DEC_F32=kd.dtype == torch.float32, NO_LICM=tune["no_licm"],
         PREFETCH=tune["prefetch"],
         CODE_T=code_t, Q_T=tl.float32 if widen else _TL[p.query.dtype],
         KEY_ROUND=_TL[p.query.dtype], P_ROUND=p_round, BLOCK_M=block_m,

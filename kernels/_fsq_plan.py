@@ -27,14 +27,13 @@ ROPE_RADIX_BITS = 11  # theta mode: position = hi * 2^11 + lo, one angle table p
 MAX_THETA_POSITION = 1 << (2 * ROPE_RADIX_BITS)  # 4,194,304: positions the theta tables cover
 MIN_SPLIT_LEN = 256  # archived positions per split program, at least
 # the split kernel's defaults: positions per step, warps, software-pipeline stages, whether the
-# next block's codes are loaded during this block's work, whether 16-level codes are read as
-# 16-bit words turned into floats by bit operations (`_fsq._unpack_nibbles`), and the split
-# programs aimed at per multiprocessor over all (batch, kv head) pairs (the fastest correct setting of
-# `python bench/fsq_kernels.py --sweep` on an H200 at both Qwen3-8B widths, 256 and 84;
-# bench/results/fsq_kernels.json)
+# next block's codes are loaded during this block's work, whether the block loop keeps
+# loop-invariant work inside it (Triton's `disable_licm`: shorter live ranges, fewer spills),
+# and the split programs aimed at per multiprocessor over all (batch, kv head) pairs (the
+# fastest correct setting of `python bench/fsq_kernels.py --sweep` on an H200 at both
+# Qwen3-8B widths, 256 and 84; bench/results/fsq_kernels.json)
 SPLIT_TUNING = {"block_n": 128, "num_warps": 8, "num_stages": 1, "prefetch": True,
-                "nibbles": 0, "no_licm": False,
-                "programs_per_sm": 4}
+                "no_licm": True, "programs_per_sm": 4}
 
 
 def level_list(levels, width: int) -> tuple[int, ...]:
