@@ -184,23 +184,22 @@ def time_rvq(shape, context, batch):
             "rvq_bytes_per_token": shape["kv_heads"] * (ks + vs)}
 
 
-# split-kernel settings x programs per SM. Variants measured and removed because they were
-# slower: a transposed score product (fsq_kernels_sweep_transposed.json), scores and
-# weighted codes both transposed (the sweep in fsq_kernels.json), the query
-# rotated by each block's base angle and the RMS scale applied to the scores
+# split-kernel settings (the split count is the model's, kernels._fsq_plan.best_splits; the
+# programs-per-SM rules it replaced: fsq_kernels_splits.json). Variants measured and removed
+# because they were slower: a transposed score product (fsq_kernels_sweep_transposed.json),
+# scores and weighted codes both transposed (the sweep in fsq_kernels.json), the query rotated
+# by each block's base angle and the RMS scale applied to the scores
 # (fsq_kernels_sweep_lean.json), 16-level codes unpacked by bit operations on 16-bit words
 # (fsq_kernels_sweep_nibbles.json)
 SWEEP_KNOBS = [{"block_n": bn, "num_warps": warps, "prefetch": prefetch, "no_licm": no_licm}
                for bn, warps, prefetch, no_licm in ((128, 8, True, False), (128, 8, True, True),
                                                     (64, 4, True, True), (128, 8, False, True))]
-SWEEP_PER_SM = (2, 4)
 
 
 def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
     """The split kernel's tuning knobs (positions per step, warps, register prefetch of the
-    next block, the loop's live ranges, programs per multiprocessor) at
-    a few shapes of the Qwen3 configs the kernel
-    takes, CUDA-graph time. Every variant is first checked against the float32 reference on a
+    next block, the loop's live ranges) at a few shapes of the Qwen3 configs the kernel takes,
+    CUDA-graph time. Every variant is first checked against the float32 reference on a
     ``check_context`` case (a wrong variant is recorded as such, never timed). Returns the
     rows and, per config, the fastest correct setting at the first point."""
     import torch
@@ -218,28 +217,24 @@ def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
         cases = {pt: validate_fsq_args(**fsq_case(shape, width, levels, pt[1], pt[0], rope))
                  for pt in points}
         for knobs in SWEEP_KNOBS:
-            for per_sm in SWEEP_PER_SM:
-                tune = {**knobs, "num_stages": 1, "programs_per_sm": per_sm}
-                row = {"config": name, **tune}
-                saved = dict(SPLIT_TUNING)
-                SPLIT_TUNING.update(tune)
-                try:
-                    if per_sm == SWEEP_PER_SM[0]:  # correctness does not depend on it
-                        assert_rows_close(_fsq.decode(small_problem), ref)
-                    for (batch, context), problem in cases.items():
-                        row[f"b{batch}_{context}_ms"] = time_ms(
-                            functools.partial(_fsq.decode, problem), graph=True)
-                except AssertionError as exc:
-                    row["wrong"] = str(exc)
-                except Exception as exc:  # noqa: BLE001 (out of resources: record it)
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
-                finally:
-                    SPLIT_TUNING.clear()
-                    SPLIT_TUNING.update(saved)
-                out.append(row)
-                print(json.dumps(row), flush=True)
-                if "wrong" in row or "error" in row:
-                    break
+            tune = {**knobs, "num_stages": 1}
+            row = {"config": name, **tune}
+            saved = dict(SPLIT_TUNING)
+            SPLIT_TUNING.update(tune)
+            try:
+                assert_rows_close(_fsq.decode(small_problem), ref)
+                for (batch, context), problem in cases.items():
+                    row[f"b{batch}_{context}_ms"] = time_ms(
+                        functools.partial(_fsq.decode, problem), graph=True)
+            except AssertionError as exc:
+                row["wrong"] = str(exc)
+            except Exception as exc:  # noqa: BLE001 (out of resources: record it)
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            finally:
+                SPLIT_TUNING.clear()
+                SPLIT_TUNING.update(saved)
+            out.append(row)
+            print(json.dumps(row), flush=True)
         key = f"b{points[0][0]}_{points[0][1]}_ms"
         timed = [r for r in out if r["config"] == name and key in r]
         if timed:

@@ -11,6 +11,7 @@ coordinate are zero when packed and ignored when read.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -27,13 +28,17 @@ ROPE_RADIX_BITS = 11  # theta mode: position = hi * 2^11 + lo, one angle table p
 MAX_THETA_POSITION = 1 << (2 * ROPE_RADIX_BITS)  # 4,194,304: positions the theta tables cover
 MIN_SPLIT_LEN = 256  # archived positions per split program, at least
 # the split kernel's defaults: positions per step, warps, software-pipeline stages, whether the
-# next block's codes are loaded during this block's work, whether the block loop keeps
-# loop-invariant work inside it (Triton's `disable_licm`: shorter live ranges, fewer spills),
-# and the split programs aimed at per multiprocessor over all (batch, kv head) pairs (the
-# fastest correct setting of `python bench/fsq_kernels.py --sweep` on an H200 at both
+# next block's codes are loaded during this block's work, and whether the block loop keeps
+# loop-invariant work inside it (Triton's `disable_licm`: shorter live ranges, fewer spills)
+# (the fastest correct setting of `python bench/fsq_kernels.py --sweep` on an H200 at both
 # Qwen3-8B widths, 256 and 84; bench/results/fsq_kernels.json)
 SPLIT_TUNING = {"block_n": 128, "num_warps": 8, "num_stages": 1, "prefetch": True,
-                "no_licm": True, "programs_per_sm": 4}
+                "no_licm": True}
+# positions a split program's fixed work stands for (decoder load, its share of the merge),
+# fitted to the H200 at batch 1, 32K (one wave of 16 splits 4% faster than two of 33)
+PROGRAM_COST = 128
+SPLIT_BUCKET = 1024  # the split count is chosen per this many archived positions (cached)
+SPLIT_MARGIN = 0.03  # modelled gain more splits must bring (see best_splits)
 
 
 def level_list(levels, width: int) -> tuple[int, ...]:
@@ -154,17 +159,41 @@ def kernel_limit(problem: FsqProblem) -> str | None:
 
 
 def choose_num_splits(problem: FsqProblem) -> int:
-    """Splits of the archive: ``SPLIT_TUNING["programs_per_sm"]`` programs per multiprocessor
-    over all (batch, kv head) pairs (four measured fastest: a program holds one
-    multiprocessor's shared memory, so several waves even out the splits' ends), each split
-    at least ``MIN_SPLIT_LEN`` positions."""
+    """Splits of the archive per (sequence, kv head) pair: :func:`best_splits` over all pairs
+    on this device's multiprocessors, for the capacity rounded up to ``SPLIT_BUCKET`` (so a
+    cache growing by one position per step finds the answer cached)."""
     capacity = problem.codes.shape[1]
     if capacity == 0:
         return 1
     pairs = problem.query.shape[0] * problem.kv_heads
-    per_sm = SPLIT_TUNING["programs_per_sm"]
-    wanted = math.ceil(per_sm * multiprocessors(problem.query.device) / pairs)
-    return max(1, min(wanted, math.ceil(capacity / MIN_SPLIT_LEN), MAX_SPLITS))
+    bucket = -(-capacity // SPLIT_BUCKET) * SPLIT_BUCKET
+    return best_splits(pairs, bucket, multiprocessors(problem.query.device),
+                       SPLIT_TUNING["block_n"])
+
+
+def split_cost(pairs: int, capacity: int, multiprocessors: int, block_n: int,
+               wanted: int) -> tuple[int, int]:
+    """``(modelled time, splits)`` of asking :func:`split_layout` for ``wanted`` splits: a
+    split program holds a whole multiprocessor (registers and shared memory), so the busiest
+    one runs ``ceil(pairs x splits / multiprocessors)`` programs one after another, each its
+    split's positions plus ``PROGRAM_COST``."""
+    split_len, splits = split_layout(capacity, wanted, block_n)
+    waves = math.ceil(pairs * splits / multiprocessors)
+    return waves * (split_len + PROGRAM_COST), splits
+
+
+@functools.lru_cache(maxsize=1024)
+def best_splits(pairs: int, capacity: int, multiprocessors: int, block_n: int) -> int:
+    """The fewest splits whose :func:`split_cost` is within ``SPLIT_MARGIN`` of the least (the
+    model leaves out the merge's work per split, so more programs must win clearly), at most
+    one split per ``MIN_SPLIT_LEN`` positions and ``MAX_SPLITS``. What it avoids is a partial
+    last wave: on the H200, Qwen3-8B shapes at batch 8, 128K, 9 splits per pair (4.4 waves of
+    programs) took 4.63 ms, 8 (3.9 waves) 4.16 ms, 2 (one wave) 4.18 ms."""
+    most = max(1, min(math.ceil(capacity / MIN_SPLIT_LEN), MAX_SPLITS))
+    costs = [split_cost(pairs, capacity, multiprocessors, block_n, wanted)
+             for wanted in range(1, most + 1)]
+    least = min(cost for cost, _ in costs)
+    return min(splits for cost, splits in costs if cost <= least * (1 + SPLIT_MARGIN))
 
 
 def splits_for(problem: FsqProblem, num_splits: int | None, block_n: int | None = None):

@@ -22,12 +22,19 @@ from kernels import (
 )
 from kernels._fsq_plan import (
     MAX_THETA_POSITION,
+    MIN_SPLIT_LEN,
+    PROGRAM_COST,
     ROPE_RADIX_BITS,
+    SPLIT_BUCKET,
+    SPLIT_MARGIN,
     SPLIT_TUNING,
+    best_splits,
+    choose_num_splits,
     scratch_bytes,
     splits_for,
     theta_tables,
 )
+from kernels._plan import MAX_SPLITS
 from kernels.fsq_reference import reconstruct_keys, rope_cos_sin
 
 
@@ -196,6 +203,39 @@ def test_gpt2_shapes_without_rope_or_norm():
                          bias=False, levels=4, width=10)
     out = fsq_decode_attention(**case)
     assert out.shape == (2, 3, 16) and out.dtype == torch.float16
+
+
+def _oracle_cost(pairs, capacity, sms, block_n, wanted):
+    # written out: blocks of whole positions per split, no empty split, one program per SM
+    split_len = max(block_n, -(-capacity // (wanted * block_n)) * block_n)
+    splits = -(-capacity // split_len)
+    return -(-pairs * splits // sms) * (split_len + PROGRAM_COST), splits
+
+
+@given(pairs=st.integers(1, 3000), capacity=st.integers(1, 400_000),
+       sms=st.sampled_from([1, 4, 16, 78, 132, 170]), block_n=st.sampled_from([16, 64, 128]))
+def test_split_count_is_the_fewest_within_the_margin_of_the_best(pairs, capacity, sms, block_n):
+    most = max(1, min(-(-capacity // MIN_SPLIT_LEN), MAX_SPLITS))
+    costs = [_oracle_cost(pairs, capacity, sms, block_n, w) for w in range(1, most + 1)]
+    least = min(c for c, _ in costs)
+    chosen = best_splits(pairs, capacity, sms, block_n)
+    assert chosen == min(s for c, s in costs if c <= least * (1 + SPLIT_MARGIN))
+
+
+def test_split_count_fills_whole_waves_of_an_h200():
+    # 132 multiprocessors, Qwen3-8B (8 kv heads) and GPT-2 (12) shapes, 128-position blocks
+    assert best_splits(8, 32768, 132, 128) == 16  # batch 1: 128 programs, one wave
+    assert best_splits(64, 131072, 132, 128) == 2  # batch 8: one wave, not 4.4
+    assert best_splits(12, 32768, 132, 128) == 11  # GPT-2 batch 1: 132 programs
+    assert best_splits(96, 131072, 132, 128) == 4  # GPT-2 batch 8: three full waves
+    assert best_splits(256, 131072, 132, 128) == 1  # batch 32: two waves
+
+
+def test_split_count_is_chosen_per_bucket_of_positions():
+    # a cache growing by a position per step keeps its split count within a bucket
+    counts = {choose_num_splits(validate_fsq_args(**make_fsq_case(batch=1, archived=n)))
+              for n in (SPLIT_BUCKET + 1, 2 * SPLIT_BUCKET - 1, 2 * SPLIT_BUCKET)}
+    assert len(counts) == 1
 
 
 def test_split_layout_defaults_to_the_tuned_block():
