@@ -184,7 +184,7 @@ def time_rvq(shape, context, batch):
             "rvq_bytes_per_token": shape["kv_heads"] * (ks + vs)}
 
 
-# split-kernel settings (the split count is the model's, kernels._fsq_plan.best_splits; the
+# split-kernel settings (the split count is the model's, kernels._fsq_plan.split_count; the
 # programs-per-SM rules it replaced: fsq_kernels_splits.json). Variants measured and removed
 # because they were slower: a transposed score product (fsq_kernels_sweep_transposed.json),
 # scores and weighted codes both transposed (the sweep in fsq_kernels.json), the query rotated
@@ -282,7 +282,7 @@ DEFAULT_OUT = Path("bench/results/fsq_kernels.json")
 def print_table(data, min_context=0):
     print("| config | B/token | batch | context | fsq eager ms | sdpa eager ms | eager ratio | "
           "fsq graph ms | sdpa graph ms | speed-up | TC roofline % | bytes roofline % | "
-          "rvq graph ms (B/token) | fsq / sdpa peak MB |")
+          "rvq graph ms (B/token) | fsq / sdpa peak MiB |")
     print("|" + "---|" * 14)
     for r in data["rows"]:
         if r["context"] < min_context:

@@ -99,9 +99,15 @@ def patch_interpreter_index() -> None:
     if original is None or getattr(original, "index_fixed", False):
         return
 
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    def index(self):
+        return int(self.handle.data.reshape(-1)[0])
+
+    def patched(tensor, *scope):  # Triton 3.6 passes a patch scope, 3.5 none
+        original(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
 
     patched.index_fixed = True
     interpreter._patch_lang_tensor = patched

@@ -100,10 +100,11 @@ def _angle_sum(cos_a, sin_a, cos_b, sin_b):
 
 @triton.jit
 def _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, base, n_ok, dd, dd_ok, HALF: tl.constexpr,
-                 ROPE: tl.constexpr, CONSECUTIVE: tl.constexpr):
+                 FULL: tl.constexpr, ROPE: tl.constexpr, CONSECUTIVE: tl.constexpr):
     """``(cos1, sin1, cos2, sin2)`` ``(BLOCK_N, BLOCK_H)`` float32 for the first and second key
     halves at positions ``pos``; ``CONSECUTIVE``: ``pos`` is ``base + arange`` (base the
-    block's first position, below the RoPE table's 2^22)."""
+    block's first position, below the RoPE table's 2^22); ``FULL``: ``HALF`` fills the
+    block's columns."""
     ok = n_ok[:, None] & dd_ok[None, :]
     if ROPE == 1:  # theta: angle(pos) = angle(hi * 2^11) + angle(lo), both from exact tables
         if CONSECUTIVE:
@@ -116,11 +117,16 @@ def _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, base, n_ok, dd, dd_ok, HALF: t
                                 tl.load(sin_a + base_lo, mask=dd_ok, other=0.0),
                                 tl.load(cos_b + base_hi, mask=dd_ok, other=1.0),
                                 tl.load(sin_b + base_hi, mask=dd_ok, other=0.0))
-            # unmasked: rows below BLOCK_N <= 2^11 always exist (a masked position's angle
-            # rotates a key whose score is discarded; columns past HALF meet zero keys)
+            # rows below BLOCK_N <= 2^11 always exist, so only padded columns (head_dim / 2
+            # not a power of two) are masked: a masked position's angle rotates a key whose
+            # score is discarded
             rows = (pos - base)[:, None] * HALF + dd[None, :]
-            cos, sin = _angle_sum(tl.load(cos_a + rows), tl.load(sin_a + rows),
-                                  cb[None, :], sb[None, :])
+            if FULL:
+                cos_j, sin_j = tl.load(cos_a + rows), tl.load(sin_a + rows)
+            else:
+                cos_j = tl.load(cos_a + rows, mask=dd_ok[None, :], other=1.0)
+                sin_j = tl.load(sin_a + rows, mask=dd_ok[None, :], other=0.0)
+            cos, sin = _angle_sum(cos_j, sin_j, cb[None, :], sb[None, :])
         else:
             lo = (pos & RADIX_MASK)[:, None] * HALF + dd[None, :]
             hi = (pos >> RADIX_BITS)[:, None] * HALF + dd[None, :]
@@ -216,7 +222,8 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
                 else:
                     pos = sink + n
                 cos1, sin1, cos2, sin2 = _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, sink + n0,
-                                                      n_ok, dd, dd_ok, HALF, ROPE, not HAS_POS)
+                                                      n_ok, dd, dd_ok, HALF, HALF == BLOCK_H,
+                                                      ROPE, not HAS_POS)
                 k1, k2 = k1 * cos1 - k2 * sin1, k2 * cos2 + k1 * sin2
             # keys rounded to the query's dtype (as a dense cache holds them); the weights to
             # the codes' dtype (the codes are exact in it, the weight sum uses the rounded

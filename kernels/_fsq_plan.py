@@ -37,8 +37,7 @@ SPLIT_TUNING = {"block_n": 128, "num_warps": 8, "num_stages": 1, "prefetch": Tru
 # positions a split program's fixed work stands for (decoder load, its share of the merge),
 # fitted to the H200 at batch 1, 32K (one wave of 16 splits 4% faster than two of 33)
 PROGRAM_COST = 128
-SPLIT_BUCKET = 1024  # the split count is chosen per this many archived positions (cached)
-SPLIT_MARGIN = 0.03  # modelled gain more splits must bring (see best_splits)
+SPLIT_MARGIN = 0.03  # modelled gain more splits must bring (see best_split_len)
 
 
 def level_list(levels, width: int) -> tuple[int, ...]:
@@ -75,9 +74,11 @@ def packed_bytes(levels: tuple[int, ...]) -> int:
     return math.ceil(sum(level_bits(levels)) / 8)
 
 
+@functools.lru_cache(maxsize=64)
 def uniform_bits(levels: tuple[int, ...]) -> int | None:
     """The bits per coordinate when the kernel reads these levels (one uniform level among
-    2, 4, 16, 256), else ``None``."""
+    2, 4, 16, 256), else ``None``. Cached: every decode call asks (a model has one or two
+    level lists)."""
     if levels and len(set(levels)) == 1:
         bits = (levels[0] - 1).bit_length()
         if bits in KERNEL_BITS and levels[0] == 1 << bits:
@@ -158,48 +159,62 @@ def kernel_limit(problem: FsqProblem) -> str | None:
     return None
 
 
-def choose_num_splits(problem: FsqProblem) -> int:
-    """Splits of the archive per (sequence, kv head) pair: :func:`best_splits` over all pairs
-    on this device's multiprocessors, for the capacity rounded up to ``SPLIT_BUCKET`` (so a
-    cache growing by one position per step finds the answer cached)."""
+def choose_num_splits(problem: FsqProblem, block_n: int | None = None) -> int:
+    """Splits of the archive per (sequence, kv head) pair for ``block_n``-position steps
+    (``None``: the default): :func:`split_count` over all pairs on this device's
+    multiprocessors."""
     capacity = problem.codes.shape[1]
     if capacity == 0:
         return 1
-    pairs = problem.query.shape[0] * problem.kv_heads
-    bucket = -(-capacity // SPLIT_BUCKET) * SPLIT_BUCKET
-    return best_splits(pairs, bucket, multiprocessors(problem.query.device),
-                       SPLIT_TUNING["block_n"])
+    block_n = SPLIT_TUNING["block_n"] if block_n is None else block_n
+    return split_count(problem.query.shape[0] * problem.kv_heads, capacity,
+                       multiprocessors(problem.query.device), block_n)
 
 
-def split_cost(pairs: int, capacity: int, multiprocessors: int, block_n: int,
-               wanted: int) -> tuple[int, int]:
-    """``(modelled time, splits)`` of asking :func:`split_layout` for ``wanted`` splits: a
-    split program holds a whole multiprocessor (registers and shared memory), so the busiest
-    one runs ``ceil(pairs x splits / multiprocessors)`` programs one after another, each its
-    split's positions plus ``PROGRAM_COST``."""
+def split_count(pairs: int, capacity: int, multiprocessors: int, block_n: int) -> int:
+    """The split count for ``capacity`` positions: the split length :func:`best_split_len`
+    picks for the capacity rounded up to a 64th of its power of two (at least a block), so a
+    cache that grows a position per step finds the answer cached, and as many splits of that
+    length as ``capacity`` needs."""
+    unit = max(block_n, 1 << max(0, capacity.bit_length() - 6))
+    bucket = -(-capacity // unit) * unit
+    split_len = best_split_len(pairs, bucket, multiprocessors, block_n, PROGRAM_COST,
+                               SPLIT_MARGIN, MIN_SPLIT_LEN)
+    return max(1, -(-capacity // split_len))
+
+
+def split_cost(pairs: int, capacity: int, multiprocessors: int, block_n: int, wanted: int,
+               program_cost: int = PROGRAM_COST) -> tuple[int, int, int]:
+    """``(modelled time, splits, split length)`` of asking :func:`split_layout` for ``wanted``
+    splits: a split program holds a whole multiprocessor (registers and shared memory), so
+    the busiest one runs ``ceil(pairs x splits / multiprocessors)`` programs one after
+    another, each its split's positions plus ``program_cost``."""
     split_len, splits = split_layout(capacity, wanted, block_n)
     waves = math.ceil(pairs * splits / multiprocessors)
-    return waves * (split_len + PROGRAM_COST), splits
+    return waves * (split_len + program_cost), splits, split_len
 
 
 @functools.lru_cache(maxsize=1024)
-def best_splits(pairs: int, capacity: int, multiprocessors: int, block_n: int) -> int:
-    """The fewest splits whose :func:`split_cost` is within ``SPLIT_MARGIN`` of the least (the
-    model leaves out the merge's work per split, so more programs must win clearly), at most
-    one split per ``MIN_SPLIT_LEN`` positions and ``MAX_SPLITS``. What it avoids is a partial
-    last wave: on the H200, Qwen3-8B shapes at batch 8, 128K, 9 splits per pair (4.4 waves of
-    programs) took 4.63 ms, 8 (3.9 waves) 4.16 ms, 2 (one wave) 4.18 ms."""
-    most = max(1, min(math.ceil(capacity / MIN_SPLIT_LEN), MAX_SPLITS))
-    costs = [split_cost(pairs, capacity, multiprocessors, block_n, wanted)
+def best_split_len(pairs: int, capacity: int, multiprocessors: int, block_n: int,
+                   program_cost: int, margin: float, min_split_len: int) -> int:
+    """The split length of the fewest splits whose :func:`split_cost` is within ``margin`` of
+    the least (the model leaves out the merge's work per split, so more programs must win
+    clearly), at most one split per ``min_split_len`` positions and ``MAX_SPLITS``. What it
+    avoids is a partial last wave: on the H200, Qwen3-8B shapes at batch 8, 128K, 8 splits
+    per pair (3.9 waves of programs) took 4.16 ms and 2 (one wave) 4.18 ms, where 9 (4.4
+    waves) had taken 4.63 ms in an earlier run."""
+    most = max(1, min(math.ceil(capacity / min_split_len), MAX_SPLITS))
+    costs = [split_cost(pairs, capacity, multiprocessors, block_n, wanted, program_cost)
              for wanted in range(1, most + 1)]
-    least = min(cost for cost, _ in costs)
-    return min(splits for cost, splits in costs if cost <= least * (1 + SPLIT_MARGIN))
+    least = min(cost for cost, _, _ in costs)
+    return min((splits, split_len) for cost, splits, split_len in costs
+               if cost <= least * (1 + margin))[1]
 
 
 def splits_for(problem: FsqProblem, num_splits: int | None, block_n: int | None = None):
     """``(split length, splits)`` the kernel runs (``block_n`` None: the default)."""
     block_n = SPLIT_TUNING["block_n"] if block_n is None else block_n
-    wanted = choose_num_splits(problem) if num_splits is None else num_splits
+    wanted = choose_num_splits(problem, block_n) if num_splits is None else num_splits
     return split_layout(problem.codes.shape[1], wanted, block_n)
 
 

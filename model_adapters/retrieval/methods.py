@@ -87,6 +87,10 @@ def method_family(name: str) -> str:
     for pattern, family, _ in _REGISTRY:
         if pattern.fullmatch(name):
             return family
+    press = re.fullmatch(r"(streamingllm|knorm|snapkv|pyramidkv)-(.*)", name)
+    if press:  # a press with a ratio its pattern does not take: say what a ratio is
+        raise ValueError(f"method {name!r}: a press ratio is the fraction of the context it "
+                         f"drops, a number in [0, 1) such as 0.5; got {press.group(2)!r}")
     raise ValueError(
         f"method {name!r} is none of: exact, an RVQ config (perhead-k256-s2, ...), "
         "quanto-2/4, hqq-2/4, fp8, {streamingllm|knorm|snapkv|pyramidkv}-RATIO, "

@@ -39,21 +39,32 @@ def check(case, **kwargs):
 
 
 def test_interpreter_loop_bounds_accept_one_element_arrays():
-    # Triton 3.6's interpreter holds scalars as 1-d arrays; kernels._common patches the
+    # Triton 3.5/3.6's interpreter holds scalars as 1-d arrays; kernels._common patches the
     # conversion of a loop bound (without it, NumPy 2 raises "only 0-dimensional arrays")
     import triton.language as tl
     from triton.runtime import interpreter
 
     import kernels._common  # noqa: F401  (installs the patch)
 
-    scope = interpreter._LangPatchScope()
-    interpreter._patch_lang_tensor(tl.tensor, scope)
+    if hasattr(interpreter, "_LangPatchScope"):  # Triton 3.6: patches live in a scope
+        scope = interpreter._LangPatchScope()
+        interpreter._patch_lang_tensor(tl.tensor, scope)
+        restore = scope.restore
+    else:  # Triton 3.5 sets them on the class
+        saved = tl.tensor.__dict__.get("__index__")
+        interpreter._patch_lang_tensor(tl.tensor)
+
+        def restore():
+            if saved is None:
+                del tl.tensor.__index__
+            else:
+                tl.tensor.__index__ = saved
     try:
         t = tl.tensor(interpreter.TensorHandle(np.array([7], dtype=np.int32), tl.int32),
                       tl.int32)
         assert operator.index(t) == 7 and len(range(t)) == 7
     finally:
-        scope.restore()
+        restore()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
