@@ -74,6 +74,8 @@ class Method:
 
 
 _REGISTRY: list[tuple[re.Pattern, str, Callable]] = []
+# presses.PRESSES, kept here too: this module imports the presses (and torch) only when used
+_PRESS_KINDS = "streamingllm|knorm|snapkv|pyramidkv"
 
 
 def register_method(pattern: str, family: str, factory: Callable) -> None:
@@ -87,13 +89,13 @@ def method_family(name: str) -> str:
     for pattern, family, _ in _REGISTRY:
         if pattern.fullmatch(name):
             return family
-    press = re.fullmatch(r"(streamingllm|knorm|snapkv|pyramidkv)-(.*)", name)
+    press = re.fullmatch(rf"({_PRESS_KINDS})-(.*)", name)
     if press:  # a press with a ratio its pattern does not take: say what a ratio is
         raise ValueError(f"method {name!r}: a press ratio is the fraction of the context it "
                          f"drops, a number in [0, 1) such as 0.5; got {press.group(2)!r}")
     raise ValueError(
         f"method {name!r} is none of: exact, an RVQ config (perhead-k256-s2, ...), "
-        "quanto-2/4, hqq-2/4, fp8, {streamingllm|knorm|snapkv|pyramidkv}-RATIO, "
+        f"quanto-2/4, hqq-2/4, fp8, {{{_PRESS_KINDS}}}-RATIO, "
         "fsq-wW-LL (with --bottleneck)"
         + (", or a registered family" if len(_REGISTRY) > 5 else "")
     )
@@ -231,5 +233,5 @@ def _fsq(name, ctx):
 register_method(r"exact", "exact", _exact)
 register_method(r"(pooled|perhead|hybrid)-k\d+-.*", "rvq", _rvq)
 register_method(r"(quanto|hqq)-\d+|fp8", "quantized-cache", _quantized)
-register_method(r"(streamingllm|knorm|snapkv|pyramidkv)-(0?\.\d+|0)", "press", _press)
+register_method(rf"({_PRESS_KINDS})-(0?\.\d+|0)", "press", _press)
 register_method(r"fsq-w\d+-L\d+(-tau[0-9.]+)?", "fsq", _fsq)

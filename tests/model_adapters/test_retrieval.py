@@ -160,6 +160,9 @@ def test_method_registry_names_and_hook():
     assert methods.method_family("perhead-k256-s2") == "rvq"
     assert methods.method_family("hqq-2") == "quantized-cache"
     assert methods.method_family("fsq-w32-L16") == "fsq"
+    from model_adapters.retrieval.presses import PRESSES
+
+    assert tuple(methods._PRESS_KINDS.split("|")) == PRESSES  # the names kept in two places
     for bad in ("snapkv-1.5", "knorm-1", "pyramidkv-", "streamingllm-half"):
         with pytest.raises(ValueError, match=r"press ratio .* in \[0, 1\)"):
             methods.method_family(bad)
