@@ -20,6 +20,7 @@ import re
 import uuid
 from collections import OrderedDict
 from typing import Any, TypeGuard
+from urllib.parse import unquote, urlparse
 
 from fkvstore.errors import (
     ArchiveExistsError,
@@ -45,15 +46,31 @@ DEFAULT_BLOCK_BYTES = 256 << 10
 DEFAULT_BLOCK_CACHE_BYTES = 32 << 20
 OPEN_BYTES = 64 << 10  # fetched first by an open: superblock, root group and its attributes
 _MAX_READAHEAD_BYTES = 8 << 20  # the largest single request of a sequential scan
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*(://|::)")
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+_PROTOCOL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*")
 # backends whose single PUT appears whole or not at all; others get a temporary name first
 _ATOMIC_PUT = {"s3", "s3a", "gs", "gcs", "abfs", "az", "memory"}
 
 
 def is_url(path: object) -> TypeGuard[str]:
-    """Whether ``path`` names an object through fsspec (``proto://...`` or a ``::`` chain)
-    rather than a local file."""
-    return isinstance(path, str) and _URL.match(path) is not None
+    """Whether ``path`` names an object through fsspec (``proto://...``, or a chain of
+    protocols ending in one: ``simplecache::s3://...``) rather than a local file (which may
+    hold ``::``, as ``run::v2.h5``)."""
+    if not isinstance(path, str):
+        return False
+    *chain, last = path.split("::")
+    return _URL.match(last) is not None and all(_PROTOCOL.fullmatch(p) for p in chain)
+
+
+def file_url_path(path: object) -> str | None:
+    """The local path a plain ``file://`` URL names (no ``::`` chain, no host but
+    ``localhost``), else ``None``."""
+    if not is_url(path) or "::" in path:
+        return None
+    url = urlparse(path)
+    if url.scheme == "file" and url.netloc in ("", "localhost"):
+        return unquote(url.path)
+    return None
 
 
 def _filesystem(url: str, storage_options: dict | None):
@@ -119,11 +136,16 @@ class RemoteObject(io.RawIOBase):
             fs.invalidate_cache(path)
             # cache_type "none": each read of the fsspec file is one request (ours decides)
             self._f = fs.open(path, "rb", cache_type="none", block_size=block_bytes)
-            self.size = int(self._f.size)
+            size = getattr(self._f, "size", None)
+            if size is None:  # a caching chain (simplecache::...) hands back a local file
+                size = self._f.seek(0, io.SEEK_END)
+                self._f.seek(0)
+            self.size = int(size)
         except Exception as exc:
             raise storage_error(exc, url, "opening") from exc
         self.block_bytes = block_bytes
-        self._max_blocks = cache_bytes // block_bytes
+        # any cache holds at least one block: only cache_bytes=0 turns it off
+        self._max_blocks = -(-cache_bytes // block_bytes)
         self._blocks: OrderedDict[int, bytes] = OrderedDict()
         self._pinned: dict[int, bytes] = {}
         self._pos = 0

@@ -100,6 +100,16 @@ def copy(src: str | os.PathLike, dst: str | os.PathLike, *, storage_options: dic
         ar.publish(dst, storage_options=storage_options, overwrite=overwrite)
 
 
+def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two local paths name one file (through links too)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist
+        return False
+
+
 class Archive:
     """Named streams and auxiliary arrays in one HDF5 file. Create with :func:`fkvstore.open`.
 
@@ -366,17 +376,25 @@ class Archive:
         verified (:meth:`verify` on the copy: ChecksumError names the problems, nothing is
         written) and then uploaded whole, or moved into place for a local ``dst``."""
         self._session.check_open()
+        local = _remote.file_url_path(dst)
+        if local is not None:  # file:// is a local path: same checks, same atomic rename
+            dst = local
         url = dst if _remote.is_url(dst) else None  # None: a local path
-        if url is None and not self._session.remote and (
-                os.path.abspath(dst) == os.path.abspath(self.path)):
-            raise ValueError(f"cannot copy {self.path!r} onto itself; choose another path")
+        if url is None and not self._session.remote and _same_file(dst, self.path):
+            raise ValueError(f"cannot copy {self.path!r} onto itself ({os.fspath(dst)!r}); "
+                             "choose another path")
         if not overwrite and (_remote.remote_exists(url, storage_options) if url is not None
                               else os.path.exists(dst)):
             raise ArchiveExistsError(f"{os.fspath(dst)!r} already exists; pass overwrite=True "
                                      "to replace it")
+        where = None if url is not None else os.path.dirname(os.path.abspath(dst))
+        if where is not None and not os.path.isdir(where):
+            raise FileNotFoundError(f"cannot publish to {os.fspath(dst)!r}: its folder "
+                                    f"{where!r} does not exist")
+        if url is None and os.path.isdir(dst):
+            raise IsADirectoryError(f"cannot publish to {os.fspath(dst)!r}: it is a folder")
         if self.writable:
             self._session.flush()
-        where = None if url is not None else os.path.dirname(os.path.abspath(dst))
         fd, tmp = tempfile.mkstemp(suffix=".h5", prefix=".fkv-publish-", dir=where)
         os.close(fd)
         try:

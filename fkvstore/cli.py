@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 import fkvstore
-from fkvstore import _validate
+from fkvstore import _remote, _validate
 from fkvstore._progress import progress_bar
 from fkvstore.codec import Codec
 from fkvstore.errors import FkvError, StreamNotFoundError
@@ -158,6 +158,12 @@ def _read_rows(lines, width: int, alphabet_size: int, stream: str) -> np.ndarray
 
 
 def cmd_append(args) -> int:
+    local = _remote.file_url_path(args.file)
+    if local is not None:
+        args.file = local
+    elif _remote.is_url(args.file):
+        raise CliError(f"{args.file!r} is a URL: remote archives are read-only; append to a "
+                       "local archive and upload it (fkvstore.copy); nothing appended")
     # learn the stream's shape, then read and check all input, before creating anything
     existing = None
     if Path(args.file).exists():

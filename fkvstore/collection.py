@@ -23,7 +23,6 @@ import threading
 import time
 import uuid
 from typing import Any, NamedTuple
-from urllib.parse import unquote, urlparse
 
 import numpy as np
 
@@ -206,9 +205,9 @@ def _rss() -> int | None:
 def _locate(item) -> tuple[str, str, bool]:
     """``(name as given, absolute local path or the URL, whether remote)`` of one archive."""
     if _remote.is_url(item):
-        url = urlparse(item)
-        if url.scheme == "file" and url.netloc in ("", "localhost"):
-            return item, os.path.abspath(unquote(url.path)), False
+        local = _remote.file_url_path(item)
+        if local is not None:
+            return item, os.path.abspath(local), False
         return item, item, True
     if not isinstance(item, (str, os.PathLike)):
         raise TypeError(f"an archive must be a path or URL (str), got {type(item).__name__} "
@@ -229,10 +228,16 @@ def _check_query(query):
 
 
 def _check_stream(stream):
-    """None (every stream of each archive) or a tuple of stream names."""
+    """None (every stream of each archive) or a tuple of distinct stream names (a repeated
+    name once: one Hit per archive and stream)."""
     if stream is None:
         return None
-    names = (stream,) if isinstance(stream, str) else tuple(stream)
+    if isinstance(stream, str):
+        return (stream,)
+    if isinstance(stream, (bytes, bytearray)) or not hasattr(stream, "__iter__"):
+        raise TypeError(f"stream must be a name (str), a list of names or None, got "
+                        f"{type(stream).__name__} {stream!r}")
+    names = tuple(dict.fromkeys(stream))
     for name in names:
         if not isinstance(name, str):
             raise TypeError(f"stream names must be str, got {type(name).__name__} {name!r}")
@@ -284,8 +289,8 @@ class Collection:
             seen[path] = name
         urls = [path for _, path, remote in located if remote]
         gone = set(_remote.missing_objects(urls, storage_options) if urls else ())
-        missing = [name for name, path, remote in located
-                   if (path in gone if remote else not os.path.exists(path))]
+        missing = [name for name, path, remote in located  # a folder is no archive either
+                   if (path in gone if remote else not os.path.isfile(path))]
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise ArchiveNotFoundError(

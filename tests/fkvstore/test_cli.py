@@ -91,6 +91,15 @@ def test_append_errors(archive, monkeypatch, capsys):
         assert len(ar["kv"]) == 20 and "nope" not in ar  # nothing appended or created
 
 
+def test_append_to_a_url_says_remote_archives_are_read_only(archive, monkeypatch, capsys):
+    fails(["append", "s3://bucket/run.h5", "kv"], "is a URL: remote archives are read-only",
+          monkeypatch, capsys, b"1 2 3\n")
+    # a file:// URL is the local file
+    assert run(["append", "file://" + str(archive), "kv"], b"1 2 3\n", monkeypatch)[0] == 0
+    with fkvstore.open(archive) as ar:
+        assert len(ar["kv"]) == 21
+
+
 def test_append_bad_input_creates_nothing(tmp_path, monkeypatch, capsys):
     new = tmp_path / "new.h5"
     fails(["append", str(new), "s", "--alphabet-size", "10"], "line 1: not integers",

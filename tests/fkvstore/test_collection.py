@@ -269,6 +269,22 @@ def test_bad_collections_are_refused(fleet):
         Collection(fleet, workers=0)
 
 
+def test_a_folder_is_no_archive(tmp_path):
+    with pytest.raises(ArchiveNotFoundError, match="no archive at"):
+        Collection([str(tmp_path)])
+
+
+def test_a_repeated_stream_name_counts_once(fleet, mode):
+    def flat(hits):
+        return [(h.archive, h.stream, list(h.positions)) for h in hits]
+
+    with Collection(fleet[:2], **mode) as coll:
+        once = flat(coll.search([3, 1, 4], stream="tok"))
+        assert once and flat(coll.search([3, 1, 4], stream=["tok", "tok"])) == once
+        assert (sum(w["index_bytes"] for w in coll.warm(["tok", "tok"]))
+                == sum(w["index_bytes"] for w in coll.warm("tok")) > 0)
+
+
 def test_file_urls_are_local_paths(fleet):
     url = "file://" + os.path.abspath(fleet[1])
     with Collection([url, fleet[2]]) as coll:
@@ -295,6 +311,9 @@ def test_bad_queries_name_the_archive_and_stream(fleet, mode):
             coll.search([1], stream="tok", column=1)
         with pytest.raises(TypeError, match="stream names must be str"):
             coll.search([1], stream=[b"tok"])
+        for bad in (5, b"tok"):
+            with pytest.raises(TypeError, match="stream must be a name"):
+                coll.search([1], stream=bad)
         with pytest.raises(ValueError, match="batch must be a positive int"):
             coll.search_many([[1]], stream="tok", batch=0)
         with pytest.raises(ValueError, match="'nowhere.h5' is not in this collection"):

@@ -66,6 +66,34 @@ def test_urls_and_paths_are_told_apart():
     assert is_url("s3://bucket/run.h5") and is_url("memory://x/run.h5")
     assert is_url("simplecache::s3://bucket/run.h5")
     assert not is_url("run.h5") and not is_url("/data/run.h5") and not is_url("./s3:/x")
+    assert is_url("blockcache::simplecache::s3://bucket/run.h5")
+    assert not is_url("run::v2.h5") and not is_url("./run::v2.h5")  # a local name with ::
+
+
+def test_a_copy_to_a_missing_folder_or_onto_a_folder_names_the_destination(local_archive,
+                                                                           tmp_path):
+    path, _ = local_archive
+    with pytest.raises(FileNotFoundError, match=r"nodir/x\.h5.*does not exist"):
+        fkvstore.copy(path, tmp_path / "nodir" / "x.h5")
+    (tmp_path / "folder.h5").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"folder\.h5.*is a folder"):
+        fkvstore.copy(path, tmp_path / "folder.h5", overwrite=True)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".fkv-publish")]
+
+
+def test_a_local_name_with_a_double_colon_is_a_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with fkvstore.open("run::v2.h5", "w") as ar:
+        ar.create_stream("kv", 16).extend([1, 2, 3])
+    with fkvstore.open("run::v2.h5") as ar:
+        assert ar["kv"][:, 0].tolist() == [1, 2, 3]
+
+
+def test_a_caching_chain_opens(local_archive, memory_url):
+    path, data = local_archive
+    fkvstore.copy(path, memory_url)
+    with fkvstore.open("simplecache::" + memory_url) as ar:  # a local file behind the chain
+        np.testing.assert_array_equal(ar["kv"][:], data)
 
 
 @pytest.mark.parametrize("mode", ["r+", "a", "w", "w-", "x"])
@@ -146,6 +174,11 @@ def test_the_block_cache_reads_exact_bytes(tmp_path):
             assert obj.read(n) == blob[start : start + n]
             assert obj.requests - before <= 1  # a read is at most one request
         obj.close()
+    obj = RemoteObject(url, block_bytes=4096, cache_bytes=1000)  # under a block: still one
+    for _ in range(3):
+        obj.seek(100)
+        obj.read(10)
+    assert obj.requests == 1
     obj = RemoteObject(url, block_bytes=4096, cache_bytes=0)
     obj.seek(100)
     obj.read(10)
@@ -170,6 +203,27 @@ def test_publish_a_local_copy_stays_an_ordinary_archive(local_archive, tmp_path)
         np.testing.assert_array_equal(ar["kv"][:], np.concatenate([data, data[:5]]))
     with fkvstore.open(path) as ar, pytest.raises(ValueError, match="onto itself"):
         ar.publish(path, overwrite=True)
+
+
+def test_publish_onto_its_own_file_by_another_name_is_refused(tmp_path):
+    # a replaced file would leave an open writer committing to a deleted inode
+    (tmp_path / "d").mkdir()
+    os.symlink(tmp_path / "d", tmp_path / "link")
+    path = tmp_path / "d" / "w.h5"
+    with fkvstore.open(path, "w") as ar:
+        s = ar.create_stream("kv", 16)
+        s.extend(range(10))
+        ar.flush()
+        for alias in (tmp_path / "link" / "w.h5", "file://" + str(path), tmp_path / "d/./w.h5"):
+            with pytest.raises(ValueError, match="onto itself"):
+                ar.publish(alias, overwrite=True)
+        s.extend(range(10))
+    with fkvstore.open(path) as ar:
+        assert len(ar["kv"]) == 20  # every commit reached the file the name still names
+    with fkvstore.open(path) as ar:  # a file:// destination is a local path (atomic rename)
+        ar.publish("file://" + str(tmp_path / "copy.h5"))
+    with fkvstore.open(tmp_path / "copy.h5") as ar:
+        assert len(ar["kv"]) == 20
 
 
 def test_publish_from_a_writer_commits_first(tmp_path, memory_url):
