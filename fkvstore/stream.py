@@ -547,7 +547,10 @@ class TextStream(Stream):
         return query.encode("utf-8") if isinstance(query, str) else query
 
     def context(self, pos: int, before: int = 32, after: int = 32, column=None) -> bytes:
-        """Bytes ``[pos - before, pos + after]`` (clipped) around a hit, from the store."""
+        """Bytes ``[pos - before, pos + after]`` (clipped) around a hit, from the store
+        (``column``: None or 0, the one a text stream has)."""
+        if column is not None:
+            self._search_column(column)  # ValueError past column 0
         return super().context(pos, before, after).astype(np.uint8).tobytes()
 
     def bytes(self, start: int = 0, stop: int | None = None) -> bytes:

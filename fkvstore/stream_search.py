@@ -111,9 +111,9 @@ class SearchMixin:
         ``bytes`` on a text stream."""
         self._check_open()
         n = len(self)
-        pos = integer(pos, "pos", low=0, high=max(0, n - 1))
         if n == 0:
             raise IndexError(f"stream {self.name!r} is empty: no context to read")
+        pos = integer(pos, "pos", low=0, high=n - 1)
         before = integer(before, "before", low=0)
         after = integer(after, "after", low=0)
         rows = self.read(max(0, pos - before), min(n, pos + after + 1))
@@ -152,6 +152,10 @@ class SearchMixin:
 
     # ------------------------------------------------------------------ internals
     def _search_query(self, query):
+        if isinstance(query, (str, bytes, bytearray, memoryview)):
+            raise TypeError(f"stream {self.name!r} holds integer symbols: a query is a sequence "
+                            f"of ints, not {type(query).__name__} (text queries are for text "
+                            "streams)")
         return query
 
     def _search_column(self, column) -> int:

@@ -183,3 +183,24 @@ def test_damaged_persisted_index_is_rebuilt_and_reported(tmp_path, name):
         s = ar["book"]
         for q in (b"time", b"r t", b"traveller the"):
             assert s.search(q).tolist() == [i + len(q) - 1 for i in naive.find_bytes(book, q)]
+
+
+def test_queries_and_context_arguments_fit_the_stream(tmp_path):
+    with fkvstore.open(tmp_path / "q.h5", "w") as ar:
+        s = ar.create_stream("s", alphabet_size=256)
+        s.extend(np.arange(30) % 10)
+        for text in (b"\x01", "a", bytearray(b"\x01")):  # no silent search of byte values
+            with pytest.raises(TypeError, match="'s' holds integer symbols"):
+                s.search(text)
+            with pytest.raises(TypeError, match="holds integer symbols"):
+                s.longest_suffix(text)
+        assert s.search([1, 2]).tolist() == [2, 12, 22]
+        t = ar.create_text_stream("t")
+        t.extend("hello world")
+        assert t.context(4, 2, 2, column=0) == b"llo w"
+        with pytest.raises(ValueError, match="column"):
+            t.context(4, 2, 2, column=1)
+        e = ar.create_stream("e", alphabet_size=4)
+        for pos in (0, 5):  # empty first, whatever the position
+            with pytest.raises(IndexError, match="'e' is empty"):
+                e.context(pos)
