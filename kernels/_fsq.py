@@ -32,12 +32,14 @@ from kernels._common import LOG2E, NEG_BIG, exact_tokens, interpreted, launchabl
 from kernels._fsq_plan import (
     ROPE_RADIX_BITS,
     SPLIT_TUNING,
+    WS_BLOCK_N,
     FsqProblem,
     kernel_limit,
     rope_kind,
     splits_for,
     theta_tables,
     uniform_bits,
+    ws_limit,
 )
 from kernels._plan import pow2
 from kernels._validate import check_num_splits
@@ -307,12 +309,17 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
     """Run the two kernels on a validated problem; ``(batch, q_heads, head_dim)`` in the
     query's dtype. ``block_n`` (positions per step, a power of two >= 16), ``num_warps`` and
     ``num_stages`` of the split kernel are tuning knobs (``None``:
-    :data:`~kernels._fsq_plan.SPLIT_TUNING`, as is the prefetch). Never waits for the GPU."""
+    :data:`~kernels._fsq_plan.SPLIT_TUNING`, as is the prefetch and whether a Hopper GPU runs
+    the warp-specialized split kernel, ``kernels._fsq_ws``). Never waits for the GPU."""
     p = problem
     reason = kernel_limit(p)
     if reason is not None:
         raise ValueError(f"backend='triton': {reason}")
     tune = SPLIT_TUNING
+    ws = block_n is None and num_warps is None and num_stages is None and tune["ws"] \
+        and ws_limit(p) is None
+    if ws:
+        block_n = WS_BLOCK_N
     block_n = tune["block_n"] if block_n is None else block_n
     if block_n < 16 or block_n & (block_n - 1) or block_n > 1 << ROPE_RADIX_BITS:
         # (a block's angles come from the first block_n rows of the 2^11-row low table)
@@ -320,20 +327,35 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
                          f"got {block_n}")
     check_num_splits(num_splits)
     batch, q_heads, head_dim = p.query.shape
-    kv_heads, width = p.kv_heads, p.width
-    group = q_heads // kv_heads
-    half = head_dim // 2
     split_len, splits = splits_for(p, num_splits, block_n)
     device = p.query.device
-    acc = torch.empty(batch, q_heads, splits, pow2(width, 16), dtype=torch.float32,
+    acc = torch.empty(batch, q_heads, splits, pow2(p.width, 16), dtype=torch.float32,
                       device=device)
     ml = torch.empty(batch, q_heads, splits, 2, dtype=torch.float32, device=device)
     codes = p.codes
     if codes.shape[1] == 0:  # no archived slot: real (never read) memory for the launcher
         codes = codes.new_zeros(batch, 1, codes.shape[2])
+    if ws:
+        from kernels import _fsq_ws
+
+        _fsq_ws.launch_split(p, codes, acc, ml, split_len, splits)
+    else:
+        _launch_split(p, codes, acc, ml, split_len, splits, block_n,
+                      tune["num_warps"] if num_warps is None else num_warps,
+                      tune["num_stages"] if num_stages is None else num_stages)
+    return _merge(p, acc, ml, split_len)
+
+
+def _launch_split(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torch.Tensor,
+                  split_len: int, splits: int, block_n: int, num_warps: int,
+                  num_stages: int) -> None:
+    batch, q_heads, head_dim = p.query.shape
+    kv_heads, width = p.kv_heads, p.width
+    group = q_heads // kv_heads
+    half = head_dim // 2
     kind = rope_kind(p.rope)
     if kind == 1:
-        cos_a, sin_a, cos_b, sin_b = theta_tables(p.rope, head_dim, device)
+        cos_a, sin_a, cos_b, sin_b = theta_tables(p.rope, head_dim, p.query.device)
     elif kind == 2:
         cos_a, sin_a = p.rope
         cos_b, sin_b = cos_a, sin_a
@@ -344,8 +366,6 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
     kd = p.key_decoder
     kb = p.key_bias if p.key_bias is not None else kd
     kn = p.k_norm if p.k_norm is not None else kd
-    qk_scale = p.scale * LOG2E
-    block_m = max(16, pow2(group))
     bits = uniform_bits(p.levels)
     subs = 8 // bits
     nbytes = codes.shape[2]
@@ -358,30 +378,36 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
     code_t = tl.float32 if widen else p_round
     _split_kernel[(splits, batch * kv_heads)](
         p.query, codes, pos, p.archived_lengths, p.sink_lengths, kd, kb, kn,
-        cos_a, sin_a, cos_b, sin_b, acc, ml, qk_scale, p.eps,
+        cos_a, sin_a, cos_b, sin_b, acc, ml, p.scale * LOG2E, p.eps,
         p.query.stride(0), p.query.stride(1), codes.stride(0), codes.stride(1), p_sb, p_sn,
         *kd.stride(), kb.stride(0), *acc.stride()[:3], *ml.stride()[:3],
         kv_heads, group, half, width, split_len, NBYTES=nbytes,
         BITS=bits, SUBS=subs, ROPE=kind, HAS_BIAS=p.key_bias is not None,
         HAS_NORM=p.k_norm is not None, HAS_POS=p.positions is not None,
-        DEC_F32=kd.dtype == torch.float32, NO_LICM=tune["no_licm"],
-        PREFETCH=tune["prefetch"],
+        DEC_F32=kd.dtype == torch.float32, NO_LICM=SPLIT_TUNING["no_licm"],
+        PREFETCH=SPLIT_TUNING["prefetch"],
         CODE_T=code_t, Q_T=tl.float32 if widen else _TL[p.query.dtype],
-        KEY_ROUND=_TL[p.query.dtype], P_ROUND=p_round, BLOCK_M=block_m,
+        KEY_ROUND=_TL[p.query.dtype], P_ROUND=p_round, BLOCK_M=max(16, pow2(group)),
         BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_W=block_b * subs, BLOCK_H=pow2(half, 16),
-        num_warps=tune["num_warps"] if num_warps is None else num_warps,
-        num_stages=tune["num_stages"] if num_stages is None else num_stages)
+        num_warps=num_warps, num_stages=num_stages)
+
+
+def _merge(p: FsqProblem, acc: torch.Tensor, ml: torch.Tensor, split_len: int) -> torch.Tensor:
+    """The merge kernel over the splits' scratch: the exact tokens, the value decoder."""
+    batch, q_heads, head_dim = p.query.shape
+    kv_heads = p.kv_heads
+    group = q_heads // kv_heads
     sk, sv, rk, rv = (launchable(t) for t in (p.sink_keys, p.sink_values, p.recent_keys,
                                                 p.recent_values))
     vd = p.value_decoder
     vb = p.value_bias if p.value_bias is not None else vd
-    out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=device)
+    out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=p.query.device)
     _merge_kernel[(batch * kv_heads,)](
         p.query, sk, sv, rk, rv, p.sink_lengths, p.recent_lengths, p.archived_lengths,
-        acc, ml, vd, vb, out, qk_scale, p.query.stride(0), p.query.stride(1),
+        acc, ml, vd, vb, out, p.scale * LOG2E, p.query.stride(0), p.query.stride(1),
         *sk.stride()[:3], *sv.stride()[:3], *rk.stride()[:3], *rv.stride()[:3],
         *acc.stride()[:3], *ml.stride()[:3], *vd.stride(), vb.stride(0),
-        out.stride(0), out.stride(1), kv_heads, group, head_dim, width, split_len,
-        HAS_BIAS=p.value_bias is not None, BLOCK_M=block_m, BLOCK_D=pow2(head_dim, 16),
-        BLOCK_W=pow2(width, 16), BLOCK_E=16, num_warps=4)
+        out.stride(0), out.stride(1), kv_heads, group, head_dim, p.width, split_len,
+        HAS_BIAS=p.value_bias is not None, BLOCK_M=max(16, pow2(group)),
+        BLOCK_D=pow2(head_dim, 16), BLOCK_W=pow2(p.width, 16), BLOCK_E=16, num_warps=4)
     return out

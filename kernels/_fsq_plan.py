@@ -33,7 +33,8 @@ MIN_SPLIT_LEN = 256  # archived positions per split program, at least
 # (the fastest correct setting of `python bench/fsq_kernels.py --sweep` on an H200 at both
 # Qwen3-8B widths, 256 and 84; bench/results/fsq_kernels.json)
 SPLIT_TUNING = {"block_n": 128, "num_warps": 8, "num_stages": 1, "prefetch": True,
-                "no_licm": True}
+                "no_licm": True, "ws": True}
+WS_BLOCK_N = 64  # positions per step of the warp-specialized kernel: one warp group's rows
 # positions a split program's fixed work stands for (decoder load, its share of the merge),
 # fitted to the H200 at batch 1, 32K (one wave of 16 splits 4% faster than two of 33)
 PROGRAM_COST = 128
@@ -156,6 +157,36 @@ def kernel_limit(problem: FsqProblem) -> str | None:
                 f"{MAX_KERNEL_HEAD_DIM}")
     if batch * problem.kv_heads > 65535:
         return f"batch x kv_heads = {batch * problem.kv_heads} exceeds a grid axis (65,535)"
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def ws_limit(problem: FsqProblem) -> str | None:
+    """Why the warp-specialized split kernel (``kernels._fsq_ws``) cannot run this problem,
+    or ``None``: it needs a 16-bit query and key decoder of one dtype, 16- or 256-level codes
+    of at most 256 coordinates, at most 16 query heads per kv head, head_dim / 2 a power of
+    two in [16, 128], RoPE by theta at consecutive positions (or none), and a Hopper GPU."""
+    q = problem.query
+    if q.dtype not in (torch.float16, torch.bfloat16) or problem.key_decoder.dtype != q.dtype:
+        return "needs a float16/bfloat16 query and key decoder of the same dtype"
+    if uniform_bits(problem.levels) not in (4, 8):
+        return "needs 16- or 256-level codes"
+    half = q.shape[2] // 2
+    if half < 16 or half > 128 or half & (half - 1):
+        return "needs head_dim / 2 a power of two in [16, 128]"
+    if q.shape[1] // problem.kv_heads > 16:
+        return "needs at most 16 query heads per kv head"
+    if isinstance(problem.rope, tuple) or (problem.rope is not None
+                                           and problem.positions is not None):
+        return "needs RoPE by theta at consecutive positions, or no RoPE"
+    if problem.width > MAX_KERNEL_WIDTH:
+        return f"needs at most {MAX_KERNEL_WIDTH} code coordinates"
+    if not _is_hopper(q.device):
+        return "needs a Hopper GPU (compute capability 9.x)"
     return None
 
 
