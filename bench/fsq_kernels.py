@@ -117,7 +117,7 @@ def run_grid(contexts, batches, graphs=True, rvq=True, tuning=None):
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s",
           flush=True)
     rows = []
-    from kernels._fsq_plan import SPLIT_TUNING
+    from kernels._fsq_plan import SPLIT_TUNING, uses_ws
 
     shipped = dict(SPLIT_TUNING)
     for name, shape, width, levels in CONFIGS:
@@ -141,9 +141,14 @@ def run_grid(contexts, batches, graphs=True, rvq=True, tuning=None):
                     print(json.dumps(row), flush=True)
                     continue
                 fsq = functools.partial(fsq_decode_attention, **case, check_codes=False)
+                row["split_kernel"] = "warp-specialized" if uses_ws(problem) else "triton"
                 row["fsq_ms"] = time_ms(fsq, graph=False)
                 if graphs:
                     row["fsq_graph_ms"] = time_ms(fsq, graph=True)
+                    if uses_ws(problem):  # the Triton split kernel on the same call
+                        SPLIT_TUNING["ws"] = False
+                        row["fsq_graph_triton_ms"] = time_ms(fsq, graph=True)
+                        SPLIT_TUNING["ws"] = True
                 row["fsq_peak"] = extra_peak_bytes(fsq)
                 hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
                 q = case["query"].to(torch.float16)[:, :, None, :]
@@ -282,14 +287,14 @@ DEFAULT_OUT = Path("bench/results/fsq_kernels.json")
 def print_table(data, min_context=0):
     print("| config | B/token | batch | context | fsq eager ms | sdpa eager ms | eager ratio | "
           "fsq graph ms | sdpa graph ms | speed-up | TC roofline % | bytes roofline % | "
-          "rvq graph ms (B/token) | fsq / sdpa peak MiB |")
-    print("|" + "---|" * 14)
+          "rvq graph ms (B/token) | fsq / sdpa peak MiB | Triton split kernel graph ms |")
+    print("|" + "---|" * 15)
     for r in data["rows"]:
         if r["context"] < min_context:
             continue
         if not r.get("kernel"):
             print(f"| {r['config']} | {r['packed_bytes_per_token']} | {r['batch']} | "
-                  f"{r['context']} | kernel n/a (width {r['width']} > 256) |" + " |" * 9)
+                  f"{r['context']} | kernel n/a (width {r['width']} > 256) |" + " |" * 10)
             continue
         g, s = r.get("fsq_graph_ms"), r.get("sdpa_graph_ms")
         e, se, rvq = r.get("fsq_ms"), r.get("sdpa_ms"), r.get("rvq_graph_ms")
@@ -298,7 +303,9 @@ def print_table(data, min_context=0):
               f"| {ratio(100 * r['tc_roof_ms'], g, '%')} "
               f"| {ratio(100 * r['bytes_roof_ms'], g, '%')} | "
               + (f"{rvq:.3f} ({r['rvq_bytes_per_token']})" if rvq else "-")
-              + f" | {r['fsq_peak'] / 2**20:.1f} / {r['sdpa_peak'] / 2**20:.1f} |")
+              + f" | {r['fsq_peak'] / 2**20:.1f} / {r['sdpa_peak'] / 2**20:.1f} | "
+              + (f"{fmt(r['fsq_graph_triton_ms'])} ({ratio(r['fsq_graph_triton_ms'], g)})"
+                 if r.get("fsq_graph_triton_ms") else "-") + " |")
 
 
 def fmt(x):

@@ -32,14 +32,14 @@ from kernels._common import LOG2E, NEG_BIG, exact_tokens, interpreted, launchabl
 from kernels._fsq_plan import (
     ROPE_RADIX_BITS,
     SPLIT_TUNING,
-    WS_BLOCK_N,
     FsqProblem,
+    default_block_n,
     kernel_limit,
     rope_kind,
     splits_for,
     theta_tables,
     uniform_bits,
-    ws_limit,
+    uses_ws,
 )
 from kernels._plan import pow2
 from kernels._validate import check_num_splits
@@ -316,11 +316,8 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
     if reason is not None:
         raise ValueError(f"backend='triton': {reason}")
     tune = SPLIT_TUNING
-    ws = block_n is None and num_warps is None and num_stages is None and tune["ws"] \
-        and ws_limit(p) is None
-    if ws:
-        block_n = WS_BLOCK_N
-    block_n = tune["block_n"] if block_n is None else block_n
+    ws = block_n is None and num_warps is None and num_stages is None and uses_ws(p)
+    block_n = default_block_n(p) if block_n is None else block_n
     if block_n < 16 or block_n & (block_n - 1) or block_n > 1 << ROPE_RADIX_BITS:
         # (a block's angles come from the first block_n rows of the 2^11-row low table)
         raise ValueError(f"block_n must be a power of two in [16, {1 << ROPE_RADIX_BITS}], "

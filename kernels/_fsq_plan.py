@@ -190,14 +190,25 @@ def ws_limit(problem: FsqProblem) -> str | None:
     return None
 
 
+def uses_ws(problem: FsqProblem) -> bool:
+    """Whether the default split kernel of this problem is the warp-specialized one
+    (``SPLIT_TUNING["ws"]`` and :func:`ws_limit` allow it)."""
+    return bool(SPLIT_TUNING["ws"]) and ws_limit(problem) is None
+
+
+def default_block_n(problem: FsqProblem) -> int:
+    """Positions per step of the split kernel this problem runs by default."""
+    return WS_BLOCK_N if uses_ws(problem) else SPLIT_TUNING["block_n"]
+
+
 def choose_num_splits(problem: FsqProblem, block_n: int | None = None) -> int:
     """Splits of the archive per (sequence, kv head) pair for ``block_n``-position steps
-    (``None``: the default): :func:`split_count` over all pairs on this device's
-    multiprocessors."""
+    (``None``: the default, :func:`default_block_n`): :func:`split_count` over all pairs on
+    this device's multiprocessors."""
     capacity = problem.codes.shape[1]
     if capacity == 0:
         return 1
-    block_n = SPLIT_TUNING["block_n"] if block_n is None else block_n
+    block_n = default_block_n(problem) if block_n is None else block_n
     return split_count(problem.query.shape[0] * problem.kv_heads, capacity,
                        multiprocessors(problem.query.device), block_n)
 
@@ -244,7 +255,7 @@ def best_split_len(pairs: int, capacity: int, multiprocessors: int, block_n: int
 
 def splits_for(problem: FsqProblem, num_splits: int | None, block_n: int | None = None):
     """``(split length, splits)`` the kernel runs (``block_n`` None: the default)."""
-    block_n = SPLIT_TUNING["block_n"] if block_n is None else block_n
+    block_n = default_block_n(problem) if block_n is None else block_n
     wanted = choose_num_splits(problem, block_n) if num_splits is None else num_splits
     return split_layout(problem.codes.shape[1], wanted, block_n)
 

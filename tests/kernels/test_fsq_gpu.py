@@ -13,7 +13,7 @@ from kernels import (
     reference_fsq_decode_attention,
     validate_fsq_args,
 )
-from kernels._fsq_plan import scratch_bytes, splits_for
+from kernels._fsq_plan import SPLIT_TUNING, scratch_bytes, splits_for, uses_ws, ws_limit
 
 pytestmark = [
     pytest.mark.gpu,
@@ -84,13 +84,17 @@ def test_gpu_peak_memory_holds_no_per_position_keys_or_values():
     assert extra < dense / 100
 
 
-def _case():
+def _case(positions=True):
+    # explicit positions run the Triton split kernel, consecutive ones (on Hopper) the
+    # warp-specialized one
     return make_fsq_case(batch=2, width=256, archived=5000, sinks=4, recent=32, device="cuda",
-                         positions=torch.arange(5000).repeat(2, 1) + 7, **QWEN3)
+                         positions=torch.arange(5000).repeat(2, 1) + 7 if positions else None,
+                         **QWEN3)
 
 
-def test_gpu_call_never_waits_for_the_gpu(no_gpu_sync):
-    case = _case()
+@pytest.mark.parametrize("positions", [True, False])
+def test_gpu_call_never_waits_for_the_gpu(no_gpu_sync, positions):
+    case = _case(positions)
     lengths = torch.tensor([5000, 1234], device="cuda")
     expected = fsq_decode_attention(**case, archived_lengths=lengths)  # checked: reads back
     with no_gpu_sync():
@@ -99,8 +103,9 @@ def test_gpu_call_never_waits_for_the_gpu(no_gpu_sync):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def test_gpu_call_replays_from_a_cuda_graph(assert_graph_replays):
-    case = _case()
+@pytest.mark.parametrize("positions", [True, False])
+def test_gpu_call_replays_from_a_cuda_graph(assert_graph_replays, positions):
+    case = _case(positions)
 
     def call():
         return fsq_decode_attention(**case, backend="triton", check_positions=False)
@@ -110,3 +115,49 @@ def test_gpu_call_replays_from_a_cuda_graph(assert_graph_replays):
         case["codes"].copy_(torch.randint_like(case["codes"], 256))
 
     assert_graph_replays(call, refill)
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _split_kernel(case, ws, **kwargs):
+    saved = SPLIT_TUNING["ws"]
+    SPLIT_TUNING["ws"] = ws
+    try:
+        return fsq_decode_attention(**case, backend="triton", **kwargs)
+    finally:
+        SPLIT_TUNING["ws"] = saved
+
+
+@pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU")
+@pytest.mark.parametrize("shape,width,levels,dtype,rope", [
+    (QWEN3, 256, 16, torch.bfloat16, True),  # Qwen3-8B at 32x
+    (QWEN3, 84, 16, torch.float16, True),  # and 97.5x
+    (GPT2, 192, 16, torch.bfloat16, False),  # one query head per kv head, no RoPE or norm
+    ({"q_heads": 32, "kv_heads": 2, "head_dim": 64}, 40, 256, torch.bfloat16, True),  # 16/kv
+    ({"q_heads": 6, "kv_heads": 3, "head_dim": 32}, 100, 16, torch.float16, True),
+])
+def test_gpu_warp_specialized_kernel_matches_the_split_kernel(shape, width, levels, dtype,
+                                                              rope):
+    case = make_fsq_case(batch=3, width=width, levels=levels, archived=3000, sinks=4,
+                         recent=8, dtype=dtype, device="cuda", rope=1e6 if rope else None,
+                         k_norm=rope, archived_lengths=[3000, 65, 0], **shape)
+    problem = validate_fsq_args(**case)
+    assert ws_limit(problem) is None and uses_ws(problem)
+    ref = reference_fsq_decode_attention(**case, out_dtype=torch.float32)
+    split = _split_kernel(case, ws=False)
+    for splits in (None, 1, 40):
+        out = _split_kernel(case, ws=True, num_splits=splits)
+        assert_rows_close(out, ref)
+        torch.testing.assert_close(out, split, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU")
+def test_gpu_warp_specialized_kernel_long_context():
+    # consecutive positions up to 70,011: 35 rows of the high angle table; 1,094 blocks in
+    # one split
+    case = make_fsq_case(batch=1, q_heads=8, kv_heads=2, head_dim=128, width=84,
+                         archived=70_000, sinks=4, recent=8, device="cuda")
+    assert uses_ws(validate_fsq_args(**case))
+    for splits in (None, 1):
+        check(case, num_splits=splits)

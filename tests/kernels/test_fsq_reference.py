@@ -30,6 +30,8 @@ from kernels._fsq_plan import (
     split_count,
     splits_for,
     theta_tables,
+    uses_ws,
+    ws_limit,
 )
 from kernels._plan import split_layout
 from kernels.fsq_reference import reconstruct_keys, rope_cos_sin
@@ -129,6 +131,32 @@ def test_triton_names_the_kernel_limit(change, limit):
     assert not fsq_kernel_takes(validate_fsq_args(**case))
     out = fsq_decode_attention(**case)
     torch.testing.assert_close(out, reference_fsq_decode_attention(**case))
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"decoder_dtype": torch.float32}, "float16/bfloat16 query and key decoder"),
+    ({"decoder_dtype": torch.float16}, "float16/bfloat16 query and key decoder"),
+    ({"levels": 4}, "16- or 256-level codes"),
+    ({"head_dim": 24}, "head_dim / 2 a power of two"),
+    ({"head_dim": 16}, "head_dim / 2 a power of two"),
+    ({"q_heads": 34}, "at most 16 query heads per kv head"),
+    ({"positions": 5}, "RoPE by theta at consecutive positions"),
+    ({"width": 257}, "at most 256 code coordinates"),
+    ({}, "needs a Hopper GPU"),  # everything else fits: these tensors are on the CPU
+    ({"rope": None, "positions": 5}, "needs a Hopper GPU"),  # explicit positions, no RoPE
+])
+def test_warp_specialized_kernel_names_what_it_needs(change, reason):
+    case = make_fsq_case(**{"dtype": torch.bfloat16, **change})
+    problem = validate_fsq_args(**case)
+    assert reason in ws_limit(problem)
+    assert not uses_ws(problem)
+
+
+def test_explicit_rope_tables_are_not_for_the_warp_specialized_kernel():
+    case = make_fsq_case(dtype=torch.float16)
+    cos, sin = rope_cos_sin(QWEN3_THETA, torch.arange(100), 32)
+    problem = validate_fsq_args(**dict(case, rope=(cos.float(), sin.float())))
+    assert "RoPE by theta" in ws_limit(problem)
 
 
 def test_triton_on_cpu_tensors_needs_the_interpreter():
