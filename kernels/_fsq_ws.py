@@ -1,21 +1,23 @@
-"""The FSQ split kernel, warp-specialized for Hopper (Gluon): one warp group unpacks codes
-while another reconstructs keys and scores them.
+"""The FSQ split kernel, warp-specialized for Hopper (Gluon): three 4-warp partitions hand
+blocks of ``BLOCK_N`` positions to each other through shared memory.
 
 Same work and scratch as ``_fsq._split_kernel`` (the merge kernel is shared), arranged so
-the CUDA-core unpack of block ``i + 1`` runs beside the tensor-core work of block ``i``:
+the unpack of block ``i + 2``, the keys of block ``i + 1`` and the scores of block ``i`` run
+at the same time on different warps:
 
-- the *producer* partition (4 warps) loads a block's packed rows, unpacks them to
-  ``(BLOCK_N, BLOCK_W)`` codes in the decoder's dtype (exact: levels <= 16 here) and stores
-  them into a ring of ``STAGES`` shared-memory buffers, signalling each with an mbarrier;
-- the *consumer* partition (the kernel's 4 warps) waits for a buffer, reconstructs the two
-  key halves with warp-group MMAs against the decoder halves (held in shared memory for the
-  whole program), applies the bias, RMSNorm and RoPE (consecutive positions, the same
-  angle-sum tables), scores the group's query heads as ``keys @ queryᵀ`` (positions as the
-  MMA rows, so every product has M = 64), keeps the online softmax over positions and
-  accumulates ``codesᵀ @ weights``, then hands the buffer back.
+- *unpack* (``_unpacker``): a block's packed rows -> ``(BLOCK_N, BLOCK_W)`` codes in the
+  decoder's dtype (exact: levels <= 256) in a ring of ``STAGES`` buffers;
+- *keys* (``_keys``): the two key-half products on warp-group MMA against the decoder halves
+  (in shared memory for the whole program), bias, RMSNorm and RoPE in float32 (the angles of
+  offsets ``0 .. BLOCK_N - 1`` from shared memory, the block's base angle from the exact
+  tables, combined by the angle-sum formula), the keys rounded to the query's dtype into
+  shared memory;
+- *scores* (``_scores``, the kernel's own warps): ``keys @ queryᵀ`` with positions as the MMA
+  rows (M = 64), the online softmax over positions, ``acc += codesᵀ @ weights``.
 
-Hopper only (warp-group MMA, ``setmaxnreg``); ``_fsq_plan.ws_limit`` says which problems it runs.
-The Triton interpreter cannot run Gluon, so this kernel is checked on the GPU only.
+Every buffer has a ready and a free mbarrier. Hopper only (warp-group MMA, ``setmaxnreg``);
+``_fsq_plan.ws_limit`` says which problems it runs. The Triton interpreter cannot run Gluon,
+so this kernel is checked on the GPU only.
 """
 
 from __future__ import annotations
@@ -67,14 +69,6 @@ def _unpack(byte, BITS: gl.constexpr, BLOCK_B: gl.constexpr, DTYPE: gl.constexpr
 
 
 @gluon.jit
-def _load_unpack(base, rows, j, end, c_sn, NBYTES: gl.constexpr, BITS: gl.constexpr,
-                 BLOCK_B: gl.constexpr, DTYPE: gl.constexpr):
-    ok = (rows < end)[:, None] & (j < NBYTES)[None, :]
-    byte = gl.load(base + rows.to(gl.int64)[:, None] * c_sn, mask=ok, other=0)
-    return _unpack(byte, BITS, BLOCK_B, DTYPE)
-
-
-@gluon.jit
 def _split_range(alen_ptr, KV_HEADS, SPLIT_LEN):
     """``(b, kv head, split, start, end)`` of this program."""
     split = gl.program_id(0)
@@ -115,7 +109,7 @@ def _angle_sum(cos_a, sin_a, cos_b, sin_b):
 
 @gluon.jit
 def _keys(alen_ptr, slen_ptr, kb_ptr, kn_ptr, cos_a, sin_a, cos_b, sin_b, eps, kb_sh,
-          z_bufs, k_bufs, dec1, dec2, z_ready, k_ready, k_free, KV_HEADS, SPLIT_LEN,
+          z_bufs, k_bufs, dec1, dec2, angles, z_ready, k_ready, k_free, KV_HEADS, SPLIT_LEN,
           HALF: gl.constexpr, ROPE: gl.constexpr, HAS_BIAS: gl.constexpr,
           HAS_NORM: gl.constexpr, DTYPE: gl.constexpr):
     """Partition 2: codes -> keys (the two halves' products, bias, RMSNorm, RoPE), rounded
@@ -124,7 +118,6 @@ def _keys(alen_ptr, slen_ptr, kb_ptr, kn_ptr, cos_a, sin_a, cos_b, sin_b, eps, k
                                                  instr_shape=[16, HALF, 16])
     b, kvh, split, start, end = _split_range(alen_ptr, KV_HEADS, SPLIT_LEN)
     dd = gl.arange(0, HALF, gl.SliceLayout(0, kl))
-    jn = gl.arange(0, BLOCK_N, gl.SliceLayout(1, kl))
     sink = gl.load(slen_ptr + b)
     zero_k = gl.zeros([BLOCK_N, HALF], gl.float32, kl)
     i = 0
@@ -141,8 +134,7 @@ def _keys(alen_ptr, slen_ptr, kb_ptr, kn_ptr, cos_a, sin_a, cos_b, sin_b, eps, k
             hi = (base >> RADIX_BITS) * HALF + dd
             cb, sb = _angle_sum(gl.load(cos_a + lo), gl.load(sin_a + lo),
                                 gl.load(cos_b + hi), gl.load(sin_b + hi))
-            rows = jn[:, None] * HALF + dd[None, :]
-            cos, sin = _angle_sum(gl.load(cos_a + rows), gl.load(sin_a + rows),
+            cos, sin = _angle_sum(angles.index(0).load(kl), angles.index(1).load(kl),
                                   cb[None, :], sb[None, :])
         k1, k2 = warpgroup_mma_wait(num_outstanding=0, deps=(k1, k2))
         if HAS_BIAS:  # (loaded per block: registers are scarce, the vectors stay in L1)
@@ -251,6 +243,16 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
     k_bufs = gl.allocate_shared_memory(DTYPE, [2 * STAGES, BLOCK_N, HALF], k_layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], DTYPE)
     p_buf = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_M], p_layout)
+    # RoPE: the angles of a block's offsets 0 .. BLOCK_N - 1, the same for every block, in
+    # shared memory (L1 is too small beside the buffers to keep them)
+    a_layout: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 8, [1, 0])
+    if ROPE == 1:
+        rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ld))[:, None] * HALF + d[None, :]
+        angles = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, HALF], a_layout)
+        angles.index(0).store(gl.load(cos_a + rows))
+        angles.index(1).store(gl.load(sin_a + rows))
+    else:
+        angles = gl.allocate_shared_memory(gl.float32, [2, 1, HALF], a_layout)
     z_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     z_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -268,8 +270,8 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
         (_unpacker, (codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_HEADS, SPLIT_LEN, c_sb,
                      c_sn, NBYTES, BITS, BLOCK_B, BYTES, DTYPE)),
         (_keys, (alen_ptr, slen_ptr, kb_ptr, kn_ptr, cos_a, sin_a, cos_b, sin_b, eps, kb_sh,
-                 z_bufs, k_bufs, dec1, dec2, z_ready, k_ready, k_free, KV_HEADS, SPLIT_LEN,
-                 HALF, ROPE, HAS_BIAS, HAS_NORM, DTYPE)),
+                 z_bufs, k_bufs, dec1, dec2, angles, z_ready, k_ready, k_free, KV_HEADS,
+                 SPLIT_LEN, HALF, ROPE, HAS_BIAS, HAS_NORM, DTYPE)),
     ], [4, 4], [UNPACK_REGS, KEY_REGS])
 
 
@@ -286,7 +288,9 @@ def launch_split(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torc
                  split_len: int, splits: int, regs: tuple[int, int, int] = (168, 104, 232)
                  ) -> None:
     """Run the warp-specialized split kernel on a problem ``ws_limit`` accepts, writing the
-    same ``acc`` / ``ml`` scratch as ``_fsq._split_kernel``."""
+    same ``acc`` / ``ml`` scratch as ``_fsq._split_kernel``. ``regs``: registers per thread
+    of the scores, unpack and keys partitions (``setmaxnreg``; at most 512 in all, so the
+    three warp groups fit one multiprocessor's register file)."""
     batch, q_heads, head_dim = p.query.shape
     kv_heads, width = p.kv_heads, p.width
     group = q_heads // kv_heads

@@ -159,6 +159,16 @@ def test_explicit_rope_tables_are_not_for_the_warp_specialized_kernel():
     assert "RoPE by theta" in ws_limit(problem)
 
 
+@given(st.integers(1, 400), st.integers(1, 400))
+def test_warp_specialized_loads_are_aligned_and_as_wide_as_allowed(nbytes, stride):
+    pytest.importorskip("triton.experimental.gluon")
+    from kernels._fsq_ws import byte_vector
+
+    vec = byte_vector(nbytes, stride)
+    assert vec in (1, 2, 4, 8, 16) and nbytes % vec == 0 and stride % vec == 0
+    assert vec == 16 or nbytes % (2 * vec) or stride % (2 * vec)
+
+
 def test_triton_on_cpu_tensors_needs_the_interpreter():
     pytest.importorskip("triton")
     from kernels._common import interpreted
