@@ -87,7 +87,9 @@ def fsq_decode_attention(
         archived_lengths, sink_*, recent_*, scale: as in :func:`kernels.rvq_decode_attention`
             (sink and recent keys are the model's cached keys: normed and rotated).
         backend: ``"triton"``, ``"torch"`` or ``"auto"`` (triton for CUDA tensors when the
-            kernel takes the problem, else the reference).
+            kernel takes the problem, else the reference). On a Hopper GPU the triton path
+            runs a warp-specialized split kernel (Gluon) for the problems
+            ``kernels._fsq_plan.ws_limit`` accepts, else the Triton split kernel.
         num_splits: sequence splits of the archive, an int in [1, 1024] (Triton path).
         check_codes: for levels that are not powers of two, verify every coordinate is below
             its level (one read-back); power-of-two levels need no check.
