@@ -160,6 +160,21 @@ def kernel_limit(problem: FsqProblem) -> str | None:
     return None
 
 
+WS_MIN_TRITON = (3, 6)  # Gluon's warp_specialize takes (function, args) pairs from 3.6 on
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_version() -> tuple[int, int]:
+    """``(major, minor)`` of the installed Triton, ``(0, 0)`` without one (not imported)."""
+    from importlib import metadata
+
+    try:
+        parts = metadata.version("triton").split(".")[:2]
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (metadata.PackageNotFoundError, ValueError, IndexError):
+        return (0, 0)
+
+
 @functools.lru_cache(maxsize=16)
 def _is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
@@ -169,7 +184,8 @@ def ws_limit(problem: FsqProblem) -> str | None:
     """Why the warp-specialized split kernel (``kernels._fsq_ws``) cannot run this problem,
     or ``None``: it needs a 16-bit query and key decoder of one dtype, 16- or 256-level codes
     of at most 256 coordinates, at most 16 query heads per kv head, head_dim / 2 a power of
-    two in [16, 128], RoPE by theta at consecutive positions (or none), and a Hopper GPU."""
+    two in [16, 128], RoPE by theta at consecutive positions (or none), Triton >= 3.6 and a
+    Hopper GPU."""
     q = problem.query
     if q.dtype not in (torch.float16, torch.bfloat16) or problem.key_decoder.dtype != q.dtype:
         return "needs a float16/bfloat16 query and key decoder of the same dtype"
@@ -185,6 +201,10 @@ def ws_limit(problem: FsqProblem) -> str | None:
         return "needs RoPE by theta at consecutive positions, or no RoPE"
     if problem.width > MAX_KERNEL_WIDTH:
         return f"needs at most {MAX_KERNEL_WIDTH} code coordinates"
+    found = _triton_version()
+    if found < WS_MIN_TRITON:
+        return (f"needs Triton >= {WS_MIN_TRITON[0]}.{WS_MIN_TRITON[1]} (Gluon), found "
+                f"{found[0]}.{found[1]}")
     if not _is_hopper(q.device):
         return "needs a Hopper GPU (compute capability 9.x)"
     return None

@@ -152,6 +152,16 @@ def test_warp_specialized_kernel_names_what_it_needs(change, reason):
     assert not uses_ws(problem)
 
 
+def test_warp_specialized_kernel_needs_triton_3_6(monkeypatch):
+    from kernels import _fsq_plan
+
+    problem = validate_fsq_args(**make_fsq_case(dtype=torch.bfloat16))
+    monkeypatch.setattr(_fsq_plan, "_triton_version", lambda: (3, 5))
+    assert "needs Triton >= 3.6 (Gluon), found 3.5" in ws_limit(problem)
+    monkeypatch.setattr(_fsq_plan, "_triton_version", lambda: (3, 6))
+    assert "needs a Hopper GPU" in ws_limit(problem)
+
+
 def test_explicit_rope_tables_are_not_for_the_warp_specialized_kernel():
     case = make_fsq_case(dtype=torch.float16)
     cos, sin = rope_cos_sin(QWEN3_THETA, torch.arange(100), 32)
