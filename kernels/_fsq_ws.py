@@ -284,16 +284,15 @@ def byte_vector(nbytes: int, row_stride: int) -> int:
     return vec
 
 
-def launch_split(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torch.Tensor,
-                 split_len: int, splits: int, regs: tuple[int, int, int] = (168, 104, 232)
-                 ) -> None:
-    """Run the warp-specialized split kernel on a problem ``ws_limit`` accepts, writing the
-    same ``acc`` / ``ml`` scratch as ``_fsq._split_kernel``. ``regs``: registers per thread
-    of the scores, unpack and keys partitions (``setmaxnreg``; at most 512 in all, so the
-    three warp groups fit one multiprocessor's register file)."""
+def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torch.Tensor,
+                     split_len: int, regs: tuple[int, int, int] = (168, 104, 232)
+                     ) -> tuple[list, dict, dict]:
+    """``(arguments, constexprs, options)`` of one launch of ``_split_kernel_ws`` on a problem
+    ``ws_limit`` accepts (``codes`` with at least one row). ``regs``: registers per thread of
+    the scores, unpack and keys partitions (``setmaxnreg``; at most 512 in all, so the three
+    warp groups fit one multiprocessor's register file)."""
     batch, q_heads, head_dim = p.query.shape
     kv_heads, width = p.kv_heads, p.width
-    group = q_heads // kv_heads
     half = head_dim // 2
     kind = rope_kind(p.rope)
     if kind == 1:
@@ -306,16 +305,23 @@ def launch_split(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torc
     bits = uniform_bits(p.levels)
     nbytes = codes.shape[2]
     block_b = pow2(nbytes, 16)
-    block_w = block_b * (8 // bits)
-    _split_kernel_ws[(splits, batch * kv_heads)](
-        p.query, codes, p.archived_lengths, p.sink_lengths, kd, kb, kn,
-        cos_a, sin_a, cos_b, sin_b, acc, ml, p.scale * LOG2E, p.eps,
-        p.query.stride(0), p.query.stride(1), codes.stride(0), codes.stride(1),
-        *kd.stride(), kb.stride(0), *acc.stride()[:3], *ml.stride()[:3],
-        kv_heads, group, width, split_len, HALF=half, NBYTES=nbytes, BITS=bits, ROPE=kind,
-        HAS_BIAS=p.key_bias is not None, HAS_NORM=p.k_norm is not None,
-        DTYPE=_GL[p.query.dtype], BLOCK_M=16, BLOCK_B=block_b, BLOCK_W=block_w,
-        BYTES=byte_layout(block_b, byte_vector(nbytes, codes.stride(1))),
-        UNPACK_REGS=regs[1], KEY_REGS=regs[2], num_warps=4, maxnreg=regs[0])
+    args = [p.query, codes, p.archived_lengths, p.sink_lengths, kd, kb, kn,
+            cos_a, sin_a, cos_b, sin_b, acc, ml, p.scale * LOG2E, p.eps,
+            p.query.stride(0), p.query.stride(1), codes.stride(0), codes.stride(1),
+            *kd.stride(), kb.stride(0), *acc.stride()[:3], *ml.stride()[:3],
+            kv_heads, q_heads // kv_heads, width, split_len]
+    consts = dict(HALF=half, NBYTES=nbytes, BITS=bits, ROPE=kind,
+                  HAS_BIAS=p.key_bias is not None, HAS_NORM=p.k_norm is not None,
+                  DTYPE=_GL[p.query.dtype], BLOCK_M=16, BLOCK_B=block_b,
+                  BLOCK_W=block_b * (8 // bits),
+                  BYTES=byte_layout(block_b, byte_vector(nbytes, codes.stride(1))),
+                  UNPACK_REGS=regs[1], KEY_REGS=regs[2])
+    return args, consts, {"num_warps": 4, "maxnreg": regs[0]}
 
 
+def launch_split(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torch.Tensor,
+                 split_len: int, splits: int) -> None:
+    """Run the warp-specialized split kernel on a problem ``ws_limit`` accepts, writing the
+    same ``acc`` / ``ml`` scratch as ``_fsq._split_kernel``."""
+    args, consts, options = kernel_arguments(p, codes, acc, ml, split_len)
+    _split_kernel_ws[(splits, p.query.shape[0] * p.kv_heads)](*args, **consts, **options)

@@ -1,0 +1,72 @@
+"""The warp-specialized FSQ split kernel (Gluon, Hopper) compiled for sm_90 without a GPU.
+
+The Triton interpreter cannot run Gluon and CI has no GPU, so this is what CI can check: with
+the installed Triton, the kernel compiles to a cubin from the arguments the launcher builds
+for real problems, its shared memory fits a Hopper multiprocessor, every product is a
+warp-group MMA, and the partitions set their registers. Its results are checked on a GPU
+(``test_fsq_gpu.py``)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from fsq_cases import make_fsq_case
+
+from kernels import validate_fsq_args
+from kernels._fsq_plan import WS_MIN_TRITON, _triton_version, splits_for
+
+pytestmark = pytest.mark.skipif(_triton_version() < WS_MIN_TRITON,
+                                reason="the Gluon kernel needs Triton >= 3.6")
+
+HOPPER_SHARED = 227 * 1024  # shared memory one block may use on sm_90
+QWEN3 = {"q_heads": 32, "kv_heads": 8, "head_dim": 128}
+_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+          torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64"}
+
+
+def _compile(case):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels import _fsq_ws
+
+    problem = validate_fsq_args(**case)
+    batch, q_heads, _ = problem.query.shape
+    split_len, splits = splits_for(problem, None, _fsq_ws.BLOCK_N.value)
+    acc = torch.empty(batch, q_heads, splits, 256, dtype=torch.float32)
+    ml = torch.empty(batch, q_heads, splits, 2, dtype=torch.float32)
+    args, consts, options = _fsq_ws.kernel_arguments(problem, problem.codes, acc, ml,
+                                                     split_len)
+    fn = _fsq_ws._split_kernel_ws
+    params = list(inspect.signature(fn.fn).parameters)
+    signature = {}
+    for name, value in zip(params, args, strict=False):
+        if isinstance(value, torch.Tensor):
+            signature[name] = _TYPES[value.dtype]
+        else:
+            signature[name] = "fp32" if isinstance(value, float) else "i32"
+    signature.update({name: "constexpr" for name in consts})
+    assert list(signature) == params  # every parameter has an argument or a constexpr
+    source = GluonASTSource(fn=fn, signature=signature,
+                            constexprs={(params.index(k),): v for k, v in consts.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(QWEN3, width=256, dtype=torch.bfloat16),  # Qwen3-8B at 32x: the most shared memory
+    dict(QWEN3, width=84, dtype=torch.float16),  # 97.5x: 42-byte rows, 2-byte loads
+    dict(q_heads=12, kv_heads=12, head_dim=64, width=192, rope=None, k_norm=False,
+         dtype=torch.bfloat16),  # GPT-2: no RoPE, no norm
+    dict(q_heads=32, kv_heads=2, head_dim=32, width=40, levels=256, bias=False,
+         dtype=torch.bfloat16),  # 16 query heads per kv head, 8-bit codes, head_dim / 2 = 16
+], ids=["qwen3-32x", "qwen3-97.5x", "gpt2", "group16-256levels"])
+def test_warp_specialized_kernel_compiles_for_hopper(kwargs):
+    kernel = _compile(make_fsq_case(batch=2, archived=300, **kwargs))
+    assert 0 < kernel.metadata.shared <= HOPPER_SHARED, kernel.metadata.shared
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "mbarrier.try_wait" in ptx
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert kernel.asm["cubin"]  # ptxas accepted it
