@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 from dataclasses import dataclass
 
 import torch
@@ -177,15 +178,42 @@ def _triton_version() -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=16)
 def _is_hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    """An NVIDIA GPU of compute capability 9.x (ROCm reports 9.x for MI200-MI350 too)."""
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
+def _interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for Triton's CPU interpreter (which has no Gluon)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+WS_SHARED_LIMIT = 227 * 1024  # shared memory one block may use on sm_90
+WS_SHARED_SLACK = 4096  # the compiler's own shared memory beside the buffers (barriers)
+
+
+def ws_shared_bytes(width: int, head_dim: int, bits: int, rope: bool) -> int:
+    """Shared memory of the warp-specialized kernel's buffers, bytes: the decoder halves, two
+    code buffers, four key halves, the query halves, the weights, and with RoPE the angles
+    of a block's offsets (float32 cos and sin). ``block_w`` as the launcher pads it."""
+    block_w = ws_block_bytes(width, bits) * (8 // bits)
+    half = head_dim // 2
+    return (4 * block_w * half + 2 * 2 * WS_BLOCK_N * block_w + 4 * WS_BLOCK_N * half * 2
+            + 2 * 16 * half * 2 + WS_BLOCK_N * 16 * 2 + (2 * WS_BLOCK_N * half * 4 if rope else 0))
+
+
+def ws_block_bytes(width: int, bits: int) -> int:
+    """Bytes of a packed row the warp-specialized kernel loads per position: a power of two
+    >= 16, and at least 64 codes (the codes are the rows of a warp-group MMA, 64 a step)."""
+    return max(pow2(math.ceil(width * bits / 8), 16), 64 * bits // 8)
 
 
 def ws_limit(problem: FsqProblem) -> str | None:
     """Why the warp-specialized split kernel (``kernels._fsq_ws``) cannot run this problem,
     or ``None``: it needs a 16-bit query and key decoder of one dtype, 16- or 256-level codes
     of at most 256 coordinates, at most 16 query heads per kv head, head_dim / 2 a power of
-    two in [16, 128], RoPE by theta at consecutive positions (or none), Triton >= 3.6 and a
-    Hopper GPU."""
+    two in [16, 128], RoPE by theta at consecutive positions (or none), its buffers within a
+    Hopper block's shared memory, no interpreter, Triton >= 3.6 and an NVIDIA Hopper GPU."""
     q = problem.query
     if q.dtype not in (torch.float16, torch.bfloat16) or problem.key_decoder.dtype != q.dtype:
         return "needs a float16/bfloat16 query and key decoder of the same dtype"
@@ -201,6 +229,13 @@ def ws_limit(problem: FsqProblem) -> str | None:
         return "needs RoPE by theta at consecutive positions, or no RoPE"
     if problem.width > MAX_KERNEL_WIDTH:
         return f"needs at most {MAX_KERNEL_WIDTH} code coordinates"
+    shared = ws_shared_bytes(problem.width, q.shape[2], uniform_bits(problem.levels),
+                             problem.rope is not None)
+    if shared + WS_SHARED_SLACK > WS_SHARED_LIMIT:
+        return (f"needs its buffers within {WS_SHARED_LIMIT // 1024} KB of shared memory; "
+                f"width {problem.width} at head_dim {q.shape[2]} takes {shared // 1024} KB")
+    if _interpreting():
+        return "does not run under TRITON_INTERPRET (Gluon)"
     found = _triton_version()
     if found < WS_MIN_TRITON:
         return (f"needs Triton >= {WS_MIN_TRITON[0]}.{WS_MIN_TRITON[1]} (Gluon), found "

@@ -40,8 +40,8 @@ from kernels._fsq_plan import (
     rope_kind,
     theta_tables,
     uniform_bits,
+    ws_block_bytes,
 )
-from kernels._plan import pow2
 
 BLOCK_N = gl.constexpr(WS_BLOCK_N)
 STAGES = gl.constexpr(2)  # code buffers in flight between the partitions
@@ -304,7 +304,7 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
     kn = p.k_norm if p.k_norm is not None else kd
     bits = uniform_bits(p.levels)
     nbytes = codes.shape[2]
-    block_b = pow2(nbytes, 16)
+    block_b = ws_block_bytes(width, bits)
     args = [p.query, codes, p.archived_lengths, p.sink_lengths, kd, kb, kn,
             cos_a, sin_a, cos_b, sin_b, acc, ml, p.scale * LOG2E, p.eps,
             p.query.stride(0), p.query.stride(1), codes.stride(0), codes.stride(1),

@@ -20,6 +20,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 QWEN3 = {"q_heads": 32, "kv_heads": 8, "head_dim": 128}
+HOPPER = (torch.cuda.is_available() and torch.version.hip is None
+          and torch.cuda.get_device_capability()[0] == 9)
 GPT2 = {"q_heads": 12, "kv_heads": 12, "head_dim": 64}
 
 
@@ -95,6 +97,7 @@ def _case(positions=True):
 @pytest.mark.parametrize("positions", [True, False])
 def test_gpu_call_never_waits_for_the_gpu(no_gpu_sync, positions):
     case = _case(positions)
+    assert uses_ws(validate_fsq_args(**case)) == (HOPPER and not positions)
     lengths = torch.tensor([5000, 1234], device="cuda")
     expected = fsq_decode_attention(**case, archived_lengths=lengths)  # checked: reads back
     with no_gpu_sync():
@@ -106,6 +109,7 @@ def test_gpu_call_never_waits_for_the_gpu(no_gpu_sync, positions):
 @pytest.mark.parametrize("positions", [True, False])
 def test_gpu_call_replays_from_a_cuda_graph(assert_graph_replays, positions):
     case = _case(positions)
+    assert uses_ws(validate_fsq_args(**case)) == (HOPPER and not positions)
 
     def call():
         return fsq_decode_attention(**case, backend="triton", check_positions=False)
@@ -116,8 +120,6 @@ def test_gpu_call_replays_from_a_cuda_graph(assert_graph_replays, positions):
 
     assert_graph_replays(call, refill)
 
-
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 def _split_kernel(case, ws, **kwargs):

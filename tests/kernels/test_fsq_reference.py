@@ -26,6 +26,7 @@ from kernels._fsq_plan import (
     SPLIT_TUNING,
     best_split_len,
     choose_num_splits,
+    default_block_n,
     scratch_bytes,
     split_count,
     splits_for,
@@ -160,6 +161,45 @@ def test_warp_specialized_kernel_needs_triton_3_6(monkeypatch):
     assert "needs Triton >= 3.6 (Gluon), found 3.5" in ws_limit(problem)
     monkeypatch.setattr(_fsq_plan, "_triton_version", lambda: (3, 6))
     assert "needs a Hopper GPU" in ws_limit(problem)
+
+
+def test_head_dim_256_fits_shared_memory_only_at_small_widths():
+    small = validate_fsq_args(**make_fsq_case(head_dim=256, width=64, dtype=torch.bfloat16))
+    assert "needs a Hopper GPU" in ws_limit(small)  # every other requirement holds
+    wide = validate_fsq_args(**make_fsq_case(head_dim=256, width=128, dtype=torch.bfloat16))
+    assert "width 128 at head_dim 256 takes 234 KB" in ws_limit(wide)
+
+
+def test_routing_on_a_pretend_hopper(monkeypatch):
+    # the decisions decode() takes, with the launchers replaced by recorders
+    pytest.importorskip("triton")
+    from kernels import _fsq, _fsq_plan, _fsq_ws
+
+    monkeypatch.setattr(_fsq_plan, "_is_hopper", lambda device: True)
+    monkeypatch.setattr(_fsq_plan, "_triton_version", lambda: (3, 6))
+    calls = []
+    monkeypatch.setattr(_fsq_ws, "launch_split", lambda p, codes, acc, ml, split_len, splits:
+                        calls.append(("ws", split_len, splits)))
+    monkeypatch.setattr(_fsq, "_launch_split", lambda p, codes, acc, ml, split_len, splits,
+                        block_n, num_warps, num_stages:
+                        calls.append(("triton", split_len, splits, block_n, num_warps)))
+    monkeypatch.setattr(_fsq, "_merge", lambda p, acc, ml, split_len: acc)
+    problem = validate_fsq_args(**make_fsq_case(dtype=torch.bfloat16, archived=5000))
+    assert uses_ws(problem) and default_block_n(problem) == 64
+    _fsq.decode(problem)
+    assert calls[-1] == ("ws", *splits_for(problem, None))  # what the scratch bound counts
+    _fsq.decode(problem, num_warps=8)  # a knob: the Triton split kernel at its own block
+    block = SPLIT_TUNING["block_n"]
+    assert calls[-1] == ("triton", *splits_for(problem, None, block), block, 8)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "TRITON_INTERPRET" in ws_limit(problem)
+    _fsq.decode(problem)
+    assert calls[-1][0] == "triton" and calls[-1][3] == block
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setitem(SPLIT_TUNING, "ws", False)
+    assert not uses_ws(problem) and default_block_n(problem) == block
+    _fsq.decode(problem)
+    assert calls[-1][0] == "triton"
 
 
 def test_explicit_rope_tables_are_not_for_the_warp_specialized_kernel():
