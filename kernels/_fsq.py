@@ -32,8 +32,8 @@ from kernels._common import LOG2E, NEG_BIG, exact_tokens, interpreted, launchabl
 from kernels._fsq_plan import (
     ROPE_RADIX_BITS,
     SPLIT_TUNING,
+    WS_BLOCK_N,
     FsqProblem,
-    default_block_n,
     kernel_limit,
     rope_kind,
     splits_for,
@@ -318,7 +318,7 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
     tune = SPLIT_TUNING
     ws = block_n is None and num_warps is None and num_stages is None and uses_ws(p)
     if block_n is None:  # (an explicit knob runs the Triton split kernel at its own default)
-        block_n = default_block_n(p) if ws else tune["block_n"]
+        block_n = WS_BLOCK_N if ws else tune["block_n"]
     if block_n < 16 or block_n & (block_n - 1) or block_n > 1 << ROPE_RADIX_BITS:
         # (a block's angles come from the first block_n rows of the 2^11-row low table)
         raise ValueError(f"block_n must be a power of two in [16, {1 << ROPE_RADIX_BITS}], "

@@ -213,27 +213,16 @@ def ws_limit(problem: FsqProblem) -> str | None:
     or ``None``: it needs a 16-bit query and key decoder of one dtype, 16- or 256-level codes
     of at most 256 coordinates, at most 16 query heads per kv head, head_dim / 2 a power of
     two in [16, 128], RoPE by theta at consecutive positions (or none), its buffers within a
-    Hopper block's shared memory, no interpreter, Triton >= 3.6 and an NVIDIA Hopper GPU."""
+    Hopper block's shared memory, no interpreter, Triton >= 3.6 and an NVIDIA Hopper GPU.
+    (Every decode call asks: the part that depends on shapes, dtypes and levels is cached.)"""
     q = problem.query
-    if q.dtype not in (torch.float16, torch.bfloat16) or problem.key_decoder.dtype != q.dtype:
-        return "needs a float16/bfloat16 query and key decoder of the same dtype"
-    if uniform_bits(problem.levels) not in (4, 8):
-        return "needs 16- or 256-level codes"
-    half = q.shape[2] // 2
-    if half < 16 or half > 128 or half & (half - 1):
-        return "needs head_dim / 2 a power of two in [16, 128]"
-    if q.shape[1] // problem.kv_heads > 16:
-        return "needs at most 16 query heads per kv head"
-    if isinstance(problem.rope, tuple) or (problem.rope is not None
-                                           and problem.positions is not None):
-        return "needs RoPE by theta at consecutive positions, or no RoPE"
-    if problem.width > MAX_KERNEL_WIDTH:
-        return f"needs at most {MAX_KERNEL_WIDTH} code coordinates"
-    shared = ws_shared_bytes(problem.width, q.shape[2], uniform_bits(problem.levels),
-                             problem.rope is not None)
-    if shared + WS_SHARED_SLACK > WS_SHARED_LIMIT:
-        return (f"needs its buffers within {WS_SHARED_LIMIT // 1024} KB of shared memory; "
-                f"width {problem.width} at head_dim {q.shape[2]} takes {shared // 1024} KB")
+    reason = _ws_shape_limit(q.dtype, problem.key_decoder.dtype, problem.levels, q.shape[1],
+                             q.shape[2], problem.kv_heads, problem.width,
+                             "tables" if isinstance(problem.rope, tuple)
+                             else "none" if problem.rope is None else "theta",
+                             problem.positions is not None)
+    if reason is not None:
+        return reason
     if _interpreting():
         return "does not run under TRITON_INTERPRET (Gluon)"
     found = _triton_version()
@@ -242,6 +231,31 @@ def ws_limit(problem: FsqProblem) -> str | None:
                 f"{found[0]}.{found[1]}")
     if not _is_hopper(q.device):
         return "needs a Hopper GPU (compute capability 9.x)"
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _ws_shape_limit(dtype, decoder_dtype, levels, q_heads, head_dim, kv_heads, width, rope,
+                    has_positions) -> str | None:
+    """The part of :func:`ws_limit` that depends on the problem's shapes alone."""
+    if dtype not in (torch.float16, torch.bfloat16) or decoder_dtype != dtype:
+        return "needs a float16/bfloat16 query and key decoder of the same dtype"
+    bits = uniform_bits(levels)
+    if bits not in (4, 8):
+        return "needs 16- or 256-level codes"
+    half = head_dim // 2
+    if half < 16 or half > 128 or half & (half - 1):
+        return "needs head_dim / 2 a power of two in [16, 128]"
+    if q_heads // kv_heads > 16:
+        return "needs at most 16 query heads per kv head"
+    if rope == "tables" or (rope == "theta" and has_positions):
+        return "needs RoPE by theta at consecutive positions, or no RoPE"
+    if width > MAX_KERNEL_WIDTH:
+        return f"needs at most {MAX_KERNEL_WIDTH} code coordinates"
+    shared = ws_shared_bytes(width, head_dim, bits, rope != "none")
+    if shared + WS_SHARED_SLACK > WS_SHARED_LIMIT:
+        return (f"needs its buffers within {WS_SHARED_LIMIT // 1024} KB of shared memory; "
+                f"width {width} at head_dim {head_dim} takes {shared // 1024} KB")
     return None
 
 

@@ -22,6 +22,8 @@ so this kernel is checked on the GPU only.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -50,6 +52,7 @@ RADIX_BITS = gl.constexpr(ROPE_RADIX_BITS)
 RADIX_MASK = gl.constexpr((1 << ROPE_RADIX_BITS) - 1)
 
 
+@functools.lru_cache(maxsize=64)
 def byte_layout(block_b: int, vec: int) -> gl.BlockedLayout:
     """Rows of ``block_b`` bytes, ``vec`` contiguous bytes per thread, 4 warps."""
     across = max(1, min(32, block_b // vec))
