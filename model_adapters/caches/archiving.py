@@ -354,9 +354,15 @@ class ArchivingLayer(DynamicLayer):
         self._map_exact(lambda t: t[indices, ...], order)
 
     def reset(self) -> None:
-        if self.archived_until > self.sinks:
-            raise ValueError("an archiving cache cannot be reset after it archived positions")
-        self.archived_until, self.transit = 0, None
+        """Empty the layer, as a new cache starts; refused once codes went to a rows collector
+        (they cannot be taken back), as :meth:`crop` refuses."""
+        if not self.is_croppable and self.archived_until > self.sinks:  # (a rows collector)
+            raise ValueError(
+                f"cannot reset layer {self.layer_idx}: positions up to {self.archived_until} "
+                "are archived and their codes went to the rows collector; start a new cache"
+            )
+        self.archived_until, self.transit, self.seq_ends, self._room = 0, None, [], None
+        self.exact_from, self.exact_k, self.exact_v = 0, None, None
         super().reset()
 
 

@@ -339,6 +339,25 @@ def test_collecting_rows_needs_batch_one_and_forbids_reset():
     assert plain.archived_tokens == 3
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_archiving_cache_reset_starts_over_unless_codes_went_out(arch):
+    ref, model = model_pair(arch)
+    q = random_quantizer(model)
+    cache = ArchivingCache(ref.config, q, sinks=1, recent=3, rewind=4)
+    step_logits(ref, cache, IDS[:, :20], 12)
+    assert cache.layers[0].archived_until > 1  # archived, with exact copies kept for crops
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    other = IDS.flip(1)[:, :24]
+    want = step_logits(ref, ArchivingCache(ref.config, q, sinks=1, recent=3, rewind=4), other, 9)
+    torch.testing.assert_close(step_logits(ref, cache, other, 9), want, rtol=0, atol=0)
+    collected = ArchivingCache(ref.config, q, sinks=1, recent=3, rows=CodeRows(2))
+    step_logits(ref, collected, IDS[:1, :12], 6)
+    with pytest.raises(ValueError, match="cannot reset layer 0: positions up to .* rows"):
+        collected.reset()
+    assert collected.get_seq_length() == 12  # nothing changed
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
