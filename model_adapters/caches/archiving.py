@@ -81,6 +81,7 @@ class ArchivingLayer(DynamicLayer):
         self.is_croppable = rows is None or quantizer is None
         self.track_error = track_error
         self.archived_until = 0  # positions [sinks, archived_until) hold reconstructions
+        self.failed: str | None = None  # what left this layer part-updated (see _emit)
         self.transit: Transit | None = None  # for this forward's attention call (see update)
         # left padding per sequence (None: none), set by the cache on its first update; then
         # sequence b's window starts at pads[b] and its archive ends at seq_ends[b]
@@ -157,7 +158,7 @@ class ArchivingLayer(DynamicLayer):
             if self.quantizer.value_stages:
                 self.values[..., start:end, :] = vr
             if self.rows is not None:
-                self.rows.add(self.layer_idx, kc, vc)
+                self._emit(kc, vc)
             self.archived_until = end
         return self._handed_over()
 
@@ -193,7 +194,7 @@ class ArchivingLayer(DynamicLayer):
                 if self.quantizer.value_stages:
                     self.values[b, :, u0 + a : u0 + e] = vr[b, :, a:e]
                 if self.rows is not None:  # batch 1
-                    self.rows.add(self.layer_idx, kc[:, :, a:e], vc[:, :, a:e])
+                    self._emit(kc[:, :, a:e], vc[:, :, a:e])
             self.archived_until = max(self.archived_until, u1)
         self.seq_ends = ends
         return self._handed_over()
@@ -206,6 +207,17 @@ class ArchivingLayer(DynamicLayer):
         keys = self.keys[...]
         setattr(keys, LAYER_ATTR, self)
         return keys, self.values
+
+    def _emit(self, key_codes: torch.Tensor, value_codes: torch.Tensor) -> None:
+        """Hand codes to the rows collector; if it raises, the layer is left part-updated
+        (positions overwritten, not yet counted as archived) and says so (``failed``), so
+        that the next pass refuses to go on instead of re-quantizing reconstructions."""
+        try:
+            self.rows.add(self.layer_idx, key_codes, value_codes)
+        except BaseException as exc:
+            self.failed = (f"the rows collector raised {type(exc).__name__} in layer "
+                           f"{self.layer_idx}")
+            raise
 
     def take_transit(self) -> Transit | None:
         """This forward's transit (None if no position left the window inside the chunk),
@@ -362,6 +374,7 @@ class ArchivingLayer(DynamicLayer):
                 "are archived and their codes went to the rows collector; start a new cache"
             )
         self.archived_until, self.transit, self.seq_ends, self._room = 0, None, [], None
+        self.failed = None
         self.exact_from, self.exact_k, self.exact_v = 0, None, None
         super().reset()
 
@@ -467,6 +480,11 @@ class ArchivingCache(Cache):
         """Before a forward pass: every layer holds as many positions and none waits to be
         read. A pass that failed part-way (attention not switched, a rows sink that raised)
         leaves the layers out of step, and going on would mix positions silently."""
+        failed = [layer.failed for layer in self.layers if layer.failed]
+        if failed:
+            raise RuntimeError(
+                f"the archiving cache is out of step after a forward pass that failed part-way "
+                f"({failed[0]}); start a new cache")
         if self.layers[-1].transit is not None:
             raise unread_error(self.layers[-1].layer_idx, "archiving cache")
         lengths = [layer.get_seq_length() for layer in self.layers]

@@ -358,6 +358,28 @@ def test_archiving_cache_reset_starts_over_unless_codes_went_out(arch):
     assert collected.get_seq_length() == 12  # nothing changed
 
 
+def test_a_rows_collector_that_raises_stops_the_archiving_cache():
+    # the collector raises in the last layer of a chunked pass: that layer's positions are
+    # already overwritten, so the next pass must refuse, naming the collector (it named the
+    # attention implementation, or went on and re-quantized reconstructions)
+    ref, model = model_pair("gpt2")
+    cache = ArchivingCache(ref.config, random_quantizer(model), sinks=1, recent=2,
+                           rows=CodeRows(ref.config.n_layer))
+    add, last = cache.rows.add, ref.config.n_layer - 1
+
+    def failing_add(layer_idx, kc, vc):
+        if layer_idx == last:
+            raise OSError("disk full")
+        add(layer_idx, kc, vc)
+
+    cache.rows.add = failing_add
+    with pytest.raises(OSError, match="disk full"):
+        step_logits(ref, cache, IDS[:1, :8], 8)
+    cache.rows.add = add
+    with pytest.raises(RuntimeError, match=f"rows collector raised OSError in layer {last}"):
+        step_logits(ref, cache, IDS[:1, 8:10], 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
