@@ -358,10 +358,11 @@ def test_archiving_cache_reset_starts_over_unless_codes_went_out(arch):
     assert collected.get_seq_length() == 12  # nothing changed
 
 
-def test_a_rows_collector_that_raises_stops_the_archiving_cache():
-    # the collector raises in the last layer of a chunked pass: that layer's positions are
-    # already overwritten, so the next pass must refuse, naming the collector (it named the
-    # attention implementation, or went on and re-quantized reconstructions)
+@pytest.mark.parametrize("prefill", [0, 4])  # the failing pass: a chunk of 8, one token
+def test_a_rows_collector_that_raises_stops_the_archiving_cache(prefill):
+    # the collector raises in the last layer: that layer's positions are already overwritten,
+    # so the next pass must refuse, naming the collector (it named the attention
+    # implementation after a chunk, and went on silently after a single token)
     ref, model = model_pair("gpt2")
     cache = ArchivingCache(ref.config, random_quantizer(model), sinks=1, recent=2,
                            rows=CodeRows(ref.config.n_layer))
@@ -372,9 +373,11 @@ def test_a_rows_collector_that_raises_stops_the_archiving_cache():
             raise OSError("disk full")
         add(layer_idx, kc, vc)
 
+    if prefill:
+        step_logits(ref, cache, IDS[:1, :prefill], prefill)
     cache.rows.add = failing_add
     with pytest.raises(OSError, match="disk full"):
-        step_logits(ref, cache, IDS[:1, :8], 8)
+        step_logits(ref, cache, IDS[:1, prefill : prefill + (1 if prefill else 8)], 8)
     cache.rows.add = add
     with pytest.raises(RuntimeError, match=f"rows collector raised OSError in layer {last}"):
         step_logits(ref, cache, IDS[:1, 8:10], 1)
