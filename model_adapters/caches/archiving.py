@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from model_adapters.caches.code_rows import CodeRows
+from model_adapters.caches.code_rows import CodeRows, add_rows
 from model_adapters.caches.codes_attention import (
     LAYER_ATTR,
     Transit,
@@ -81,7 +81,9 @@ class ArchivingLayer(DynamicLayer):
         self.is_croppable = rows is None or quantizer is None
         self.track_error = track_error
         self.archived_until = 0  # positions [sinks, archived_until) hold reconstructions
-        self.failed: str | None = None  # what left this layer part-updated (see _emit)
+        # what stopped a pass part-way in this layer (code_rows.add_rows): positions already
+        # overwritten, not yet counted as archived
+        self.failed: str | None = None
         self.transit: Transit | None = None  # for this forward's attention call (see update)
         # left padding per sequence (None: none), set by the cache on its first update; then
         # sequence b's window starts at pads[b] and its archive ends at seq_ends[b]
@@ -158,7 +160,7 @@ class ArchivingLayer(DynamicLayer):
             if self.quantizer.value_stages:
                 self.values[..., start:end, :] = vr
             if self.rows is not None:
-                self._emit(kc, vc)
+                add_rows(self, self.rows, self.layer_idx, kc, vc)
             self.archived_until = end
         return self._handed_over()
 
@@ -194,7 +196,7 @@ class ArchivingLayer(DynamicLayer):
                 if self.quantizer.value_stages:
                     self.values[b, :, u0 + a : u0 + e] = vr[b, :, a:e]
                 if self.rows is not None:  # batch 1
-                    self._emit(kc[:, :, a:e], vc[:, :, a:e])
+                    add_rows(self, self.rows, self.layer_idx, kc[:, :, a:e], vc[:, :, a:e])
             self.archived_until = max(self.archived_until, u1)
         self.seq_ends = ends
         return self._handed_over()
@@ -207,17 +209,6 @@ class ArchivingLayer(DynamicLayer):
         keys = self.keys[...]
         setattr(keys, LAYER_ATTR, self)
         return keys, self.values
-
-    def _emit(self, key_codes: torch.Tensor, value_codes: torch.Tensor) -> None:
-        """Hand codes to the rows collector; if it raises, the layer is left part-updated
-        (positions overwritten, not yet counted as archived) and says so (``failed``), so
-        that the next pass refuses to go on instead of re-quantizing reconstructions."""
-        try:
-            self.rows.add(self.layer_idx, key_codes, value_codes)
-        except BaseException as exc:
-            self.failed = (f"the rows collector raised {type(exc).__name__} in layer "
-                           f"{self.layer_idx}")
-            raise
 
     def take_transit(self) -> Transit | None:
         """This forward's transit (None if no position left the window inside the chunk),

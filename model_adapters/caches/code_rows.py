@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-__all__ = ["CodeRows", "codes_to_rows"]
+__all__ = ["CodeRows", "add_rows", "codes_to_rows"]
 
 
 def codes_to_rows(key_codes: list[np.ndarray], value_codes: list[np.ndarray]) -> np.ndarray:
@@ -29,6 +29,19 @@ def codes_to_rows(key_codes: list[np.ndarray], value_codes: list[np.ndarray]) ->
     stacked = np.stack(per_layer)  # (layers, heads, n, sk+sv)
     n = stacked.shape[2]
     return np.ascontiguousarray(stacked.transpose(2, 0, 1, 3).reshape(n, -1)).astype(np.int64)
+
+
+def add_rows(owner, rows, layer_idx: int, key_codes: torch.Tensor,
+             value_codes: torch.Tensor) -> None:
+    """``rows.add(layer_idx, key_codes, value_codes)`` for a cache (or layer) ``owner``: if it
+    raises, the pass stops part-way (later layers never report, the collector's layers fall
+    out of step) and ``owner.failed`` says what raised, so that the owner refuses the next
+    pass instead of going on."""
+    try:
+        rows.add(layer_idx, key_codes, value_codes)
+    except BaseException as exc:
+        owner.failed = f"the rows collector raised {type(exc).__name__} in layer {layer_idx}"
+        raise
 
 
 class CodeRows:

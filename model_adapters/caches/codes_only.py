@@ -26,6 +26,7 @@ from transformers.cache_utils import Cache
 
 from kernels import BACKENDS, CodedCache, validate_coded_cache
 from model_adapters._checks import count
+from model_adapters.caches.code_rows import add_rows
 from model_adapters.caches.codes_attention import (
     CODES_ATTENTION,  # noqa: F401 (named in the docstrings; importable from here as before)
     LAYER_ATTR,
@@ -157,7 +158,7 @@ class CodesOnlyLayer(PaddedLayout, CodesLayer):
         self.value_codes[:, :, used : used + end - start] = vc
         self.archived_end = end
         if self.cache.rows is not None:
-            self.cache.rows.add(self.layer_idx, kc, vc)
+            add_rows(self.cache, self.cache.rows, self.layer_idx, kc, vc)
         self._trim_tail()
 
     def _trim_tail(self) -> None:
@@ -436,6 +437,7 @@ class CodesOnlyCache(Cache):
         self.archive_hooks: list = []
         self._on_device: dict = {}
         self.unread_layer: int | None = None
+        self.failed: str | None = None  # what stopped a pass part-way (code_rows.add_rows)
         layer_class = CodesOnlyLayer if capacity is None else StaticCodesLayer
         super().__init__(layers=[layer_class(i, self) for i in range(shape.num_layers)])
 
@@ -451,6 +453,10 @@ class CodesOnlyCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         check_kv_states(self.shape, key_states, layer_idx, "codes-only cache")
+        if self.failed:  # its layers and the collector are out of step
+            raise RuntimeError(
+                f"the codes-only cache is out of step after a forward pass that failed part-way "
+                f"({self.failed}); start a new cache")
         if self.rows is not None:
             self.rows.check_batch(key_states.shape[0])
         if self.unread_layer is not None:
@@ -494,7 +500,7 @@ class CodesOnlyCache(Cache):
                 "crop it, or start a new cache"
             )
         super().reset()
-        self.unread_layer = None
+        self.unread_layer = self.failed = None
 
     def device_quantizer(self, device) -> KVQuantizer:
         """The codebooks on ``device`` (moved once, then reused)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from kernels import CodedCache
+from model_adapters.caches.code_rows import add_rows
 from model_adapters.caches.codes_attention import LAYER_ATTR, Transit
 from model_adapters.caches.window import archive_end
 from model_adapters.quant.rvq import decode
@@ -148,7 +149,7 @@ class PaddedLayout:
             self.key_codes[b, :, lo : lo + n] = kc[i, :, :n]
             self.value_codes[b, :, lo : lo + n] = vc[i, :, :n]
             if c.rows is not None:  # batch 1 (checked before any layer changed)
-                c.rows.add(self.layer_idx, kc[i : i + 1, :, :n], vc[i : i + 1, :, :n])
+                add_rows(c, c.rows, self.layer_idx, kc[i : i + 1, :, :n], vc[i : i + 1, :, :n])
         self.seq_ends = ends
         self.archived_end = max(ends)
         self._trim_padded()

@@ -358,14 +358,20 @@ def test_archiving_cache_reset_starts_over_unless_codes_went_out(arch):
     assert collected.get_seq_length() == 12  # nothing changed
 
 
+@pytest.mark.parametrize("kind", ["archiving", "codes-only"])
 @pytest.mark.parametrize("prefill", [0, 4])  # the failing pass: a chunk of 8, one token
-def test_a_rows_collector_that_raises_stops_the_archiving_cache(prefill):
-    # the collector raises in the last layer: that layer's positions are already overwritten,
-    # so the next pass must refuse, naming the collector (it named the attention
-    # implementation after a chunk, and went on silently after a single token)
+def test_a_rows_collector_that_raises_stops_the_cache(kind, prefill):
+    # the collector raises in the last layer: its layers are out of step with the collector
+    # (and the archiving cache's last layer holds overwritten positions), so the next pass
+    # must refuse, naming the collector. Before, the archiving cache named the attention
+    # implementation after a chunk, and both caches went on after a single token.
     ref, model = model_pair("gpt2")
-    cache = ArchivingCache(ref.config, random_quantizer(model), sinks=1, recent=2,
-                           rows=CodeRows(ref.config.n_layer))
+    rows = CodeRows(ref.config.n_layer)
+    q = random_quantizer(model)
+    if kind == "archiving":
+        cache = ArchivingCache(ref.config, q, sinks=1, recent=2, rows=rows)
+    else:
+        cache, ref = CodesOnlyCache(model, q, sinks=1, recent=2, rows=rows), model
     add, last = cache.rows.add, ref.config.n_layer - 1
 
     def failing_add(layer_idx, kc, vc):
