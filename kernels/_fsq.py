@@ -35,9 +35,8 @@ from kernels._fsq_plan import (
     WS_BLOCK_N,
     FsqProblem,
     kernel_limit,
-    rope_kind,
+    kernel_tensors,
     splits_for,
-    theta_tables,
     uniform_bits,
     uses_ws,
 )
@@ -351,19 +350,9 @@ def _launch_split(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: tor
     kv_heads, width = p.kv_heads, p.width
     group = q_heads // kv_heads
     half = head_dim // 2
-    kind = rope_kind(p.rope)
-    if kind == 1:
-        cos_a, sin_a, cos_b, sin_b = theta_tables(p.rope, head_dim, p.query.device)
-    elif kind == 2:
-        cos_a, sin_a = p.rope
-        cos_b, sin_b = cos_a, sin_a
-    else:
-        cos_a = sin_a = cos_b = sin_b = acc
+    kind, (cos_a, sin_a, cos_b, sin_b), kd, kb, kn = kernel_tensors(p, acc)
     pos = p.positions if p.positions is not None else p.archived_lengths
     p_sb, p_sn = (pos.stride(0), pos.stride(1)) if p.positions is not None else (0, 0)
-    kd = p.key_decoder
-    kb = p.key_bias if p.key_bias is not None else kd
-    kn = p.k_norm if p.k_norm is not None else kd
     bits = uniform_bits(p.levels)
     subs = 8 // bits
     nbytes = codes.shape[2]

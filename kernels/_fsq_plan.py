@@ -369,6 +369,23 @@ def theta_tables(theta: float, head_dim: int, device) -> tuple[torch.Tensor, ...
     return tables
 
 
+def kernel_tensors(problem: FsqProblem, placeholder: torch.Tensor) -> tuple:
+    """What both split kernels read beside the codes: ``(rope kind, (cos_a, sin_a, cos_b,
+    sin_b), key decoder, key bias, k_norm)``; an absent table, bias or norm is a real tensor
+    the kernel never reads (``placeholder`` or the decoder)."""
+    p = problem
+    kind = rope_kind(p.rope)
+    if kind == 1:
+        tables = theta_tables(p.rope, p.query.shape[2], p.query.device)
+    elif kind == 2:
+        tables = (p.rope[0], p.rope[1], p.rope[0], p.rope[1])
+    else:
+        tables = (placeholder,) * 4
+    kd = p.key_decoder
+    return (kind, tables, kd, p.key_bias if p.key_bias is not None else kd,
+            p.k_norm if p.k_norm is not None else kd)
+
+
 def rope_kind(rope) -> int:
     """The kernel's ROPE constant: 0 none, 1 theta (angle-sum tables), 2 explicit tables."""
     if rope is None:

@@ -39,8 +39,7 @@ from kernels._fsq_plan import (
     ROPE_RADIX_BITS,
     WS_BLOCK_N,
     FsqProblem,
-    rope_kind,
-    theta_tables,
+    kernel_tensors,
     uniform_bits,
     ws_block_bytes,
 )
@@ -297,14 +296,7 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
     batch, q_heads, head_dim = p.query.shape
     kv_heads, width = p.kv_heads, p.width
     half = head_dim // 2
-    kind = rope_kind(p.rope)
-    if kind == 1:
-        cos_a, sin_a, cos_b, sin_b = theta_tables(p.rope, head_dim, p.query.device)
-    else:
-        cos_a = sin_a = cos_b = sin_b = acc
-    kd = p.key_decoder
-    kb = p.key_bias if p.key_bias is not None else kd
-    kn = p.k_norm if p.k_norm is not None else kd
+    kind, (cos_a, sin_a, cos_b, sin_b), kd, kb, kn = kernel_tensors(p, acc)
     bits = uniform_bits(p.levels)
     nbytes = codes.shape[2]
     block_b = ws_block_bytes(width, bits)
