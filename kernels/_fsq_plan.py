@@ -192,14 +192,14 @@ WS_SHARED_LIMIT = 227 * 1024  # shared memory one block may use on sm_90
 WS_SHARED_SLACK = 4096  # the compiler's own shared memory beside the buffers (barriers)
 
 
-def ws_shared_bytes(width: int, head_dim: int, bits: int, rope: bool) -> int:
-    """Shared memory of the warp-specialized kernel's buffers, bytes: the decoder halves, two
-    code buffers, four key halves, the query halves, the weights, and with RoPE the angles
-    of a block's offsets (float32 cos and sin). ``block_w`` as the launcher pads it."""
+def ws_shared_bytes(width: int, head_dim: int, bits: int, norm: bool = True) -> int:
+    """Shared memory of the warp-specialized kernel's buffers, bytes: the key decoder, two
+    code buffers, two key buffers (and with ``norm`` their RMSNorm scales), the query and
+    the weights. ``block_w`` as the launcher pads it."""
     block_w = ws_block_bytes(width, bits) * (8 // bits)
-    half = head_dim // 2
-    return (4 * block_w * half + 2 * 2 * WS_BLOCK_N * block_w + 4 * WS_BLOCK_N * half * 2
-            + 2 * 16 * half * 2 + WS_BLOCK_N * 16 * 2 + (2 * WS_BLOCK_N * half * 4 if rope else 0))
+    return (2 * block_w * head_dim + 2 * 2 * WS_BLOCK_N * block_w
+            + 2 * 2 * WS_BLOCK_N * head_dim + 2 * 16 * head_dim + 2 * WS_BLOCK_N * 16
+            + (2 * 4 * WS_BLOCK_N if norm else 0))
 
 
 def ws_block_bytes(width: int, bits: int) -> int:
@@ -211,8 +211,8 @@ def ws_block_bytes(width: int, bits: int) -> int:
 def ws_limit(problem: FsqProblem) -> str | None:
     """Why the warp-specialized split kernel (``kernels._fsq_ws``) cannot run this problem,
     or ``None``: it needs a 16-bit query and key decoder of one dtype, 16- or 256-level codes
-    of at most 256 coordinates, at most 16 query heads per kv head, head_dim / 2 a power of
-    two in [16, 128], RoPE by theta at consecutive positions (or none), its buffers within a
+    of at most 256 coordinates, at most 16 query heads per kv head, head_dim a power of two in
+    [32, 128], RoPE by theta at consecutive positions (or none), its buffers within a
     Hopper block's shared memory, no interpreter, Triton >= 3.6 and an NVIDIA Hopper GPU.
     (Every decode call asks: the part that depends on shapes, dtypes and levels is cached.)"""
     q = problem.query
@@ -244,15 +244,15 @@ def _ws_shape_limit(dtype, decoder_dtype, levels, q_heads, head_dim, kv_heads, w
     if bits not in (4, 8):
         return "needs 16- or 256-level codes"
     half = head_dim // 2
-    if half < 16 or half > 128 or half & (half - 1):
-        return "needs head_dim / 2 a power of two in [16, 128]"
+    if half < 16 or half > 64 or half & (half - 1):  # (the keys' registers: at most 64)
+        return "needs head_dim a power of two in [32, 128]"
     if q_heads // kv_heads > 16:
         return "needs at most 16 query heads per kv head"
     if rope == "tables" or (rope == "theta" and has_positions):
         return "needs RoPE by theta at consecutive positions, or no RoPE"
     if width > MAX_KERNEL_WIDTH:
         return f"needs at most {MAX_KERNEL_WIDTH} code coordinates"
-    shared = ws_shared_bytes(width, head_dim, bits, rope != "none")
+    shared = ws_shared_bytes(width, head_dim, bits)
     if shared + WS_SHARED_SLACK > WS_SHARED_LIMIT:
         return (f"needs its buffers within {WS_SHARED_LIMIT // 1024} KB of shared memory; "
                 f"width {width} at head_dim {head_dim} takes {shared // 1024} KB")

@@ -45,17 +45,58 @@ from kernels._fsq_plan import (
 )
 
 BLOCK_N = gl.constexpr(WS_BLOCK_N)
-STAGES = gl.constexpr(2)  # code buffers in flight between the partitions
+STAGES = gl.constexpr(2)  # code and key buffers in flight between the partitions
 _GL = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 RADIX_BITS = gl.constexpr(ROPE_RADIX_BITS)
 RADIX_MASK = gl.constexpr((1 << ROPE_RADIX_BITS) - 1)
 
+# The fast unpack: a register's four bytes b0..b3 -> the low nibbles (b0, b1), (b2, b3)
+# and the high nibbles likewise as 16-bit floats, exactly: a nibble k becomes the float
+# (magic + k) by bit operations, and `fma(x, 1, -magic)` takes the magic off.
+_NIBBLE_ASM = """{
+.reg .b32 t0, t1, one, off;
+mov.b32 one, ONE;
+mov.b32 off, OFF;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+lop3.b32 $0, t0, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 $1, t1, 0x000F000F, MAGIC, 0xEA;
+shr.b32 t0, t0, 4;
+shr.b32 t1, t1, 4;
+lop3.b32 $2, t0, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 $3, t1, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TYPE $0, $0, one, off;
+fma.rn.TYPE $1, $1, one, off;
+fma.rn.TYPE $2, $2, one, off;
+fma.rn.TYPE $3, $3, one, off;
+}"""
+# bf16: 128 + k is 0x4300 | k (k < 128); fp16: 1024 + k is 0x6400 | k (k < 1024)
+NIBBLE_ASM_BF16 = gl.constexpr(_NIBBLE_ASM.replace("MAGIC", "0x43004300").replace(
+    "ONE", "0x3F803F80").replace("OFF", "0xC300C300").replace("TYPE", "bf16x2"))
+NIBBLE_ASM_FP16 = gl.constexpr(_NIBBLE_ASM.replace("MAGIC", "0x64006400").replace(
+    "ONE", "0x3C003C00").replace("OFF", "0xE400E400").replace("TYPE", "f16x2"))
+
 
 @functools.lru_cache(maxsize=64)
 def byte_layout(block_b: int, vec: int) -> gl.BlockedLayout:
-    """Rows of ``block_b`` bytes, ``vec`` contiguous bytes per thread, 4 warps."""
+    """Rows of ``block_b`` bytes, ``vec`` contiguous bytes per thread, 4 warps. With ``vec``
+    bytes holding 8 codes, the 8 lanes of a quarter warp store 8 consecutive 16-byte chunks
+    of one row: distinct banks of the swizzled code buffer."""
     across = max(1, min(32, block_b // vec))
     return gl.BlockedLayout([1, vec], [32 // across, across], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _nibbles(byte, DTYPE: gl.constexpr):
+    """``(low, high)`` nibbles of ``byte`` as codes in ``DTYPE``, each of ``byte``'s shape."""
+    if DTYPE == gl.bfloat16:
+        return gl.inline_asm_elementwise(NIBBLE_ASM_BF16, "=r,=r,=r,=r,r", [byte],
+                                         dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                         pack=4)
+    else:
+        return gl.inline_asm_elementwise(NIBBLE_ASM_FP16, "=r,=r,=r,=r,r", [byte],
+                                         dtype=(gl.float16, gl.float16), is_pure=True,
+                                         pack=4)
 
 
 @gluon.jit
@@ -71,6 +112,16 @@ def _unpack(byte, BITS: gl.constexpr, BLOCK_B: gl.constexpr, DTYPE: gl.constexpr
 
 
 @gluon.jit
+def _code_of(c, BLOCK_B: gl.constexpr, FAST: gl.constexpr):
+    """The code coordinate a column of the code tile holds: with ``FAST`` the tile holds
+    the even coordinates (low nibbles) in its first ``BLOCK_B`` columns, then the odd ones."""
+    if FAST:
+        return 2 * (c % BLOCK_B) + c // BLOCK_B
+    else:
+        return c
+
+
+@gluon.jit
 def _split_range(alen_ptr, KV_HEADS, SPLIT_LEN):
     """``(b, kv head, split, start, end)`` of this program."""
     split = gl.program_id(0)
@@ -83,7 +134,7 @@ def _split_range(alen_ptr, KV_HEADS, SPLIT_LEN):
 @gluon.jit
 def _unpacker(codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_HEADS, SPLIT_LEN, c_sb, c_sn,
               NBYTES: gl.constexpr, BITS: gl.constexpr, BLOCK_B: gl.constexpr,
-              LAYOUT: gl.constexpr, DTYPE: gl.constexpr):
+              LAYOUT: gl.constexpr, DTYPE: gl.constexpr, FAST: gl.constexpr):
     """Partition 1: packed rows -> codes in shared memory, a block ahead of the keys."""
     layout: gl.constexpr = LAYOUT
     b, kvh, split, start, end = _split_range(alen_ptr, KV_HEADS, SPLIT_LEN)
@@ -95,77 +146,136 @@ def _unpacker(codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_HEADS, SPLIT_LEN,
         rows = n0 + rows0
         ok = (rows < end)[:, None] & (j < NBYTES)[None, :]
         byte = gl.load(base + rows.to(gl.int64)[:, None] * c_sn, mask=ok, other=0)
-        z = _unpack(byte, BITS, BLOCK_B, DTYPE)
         slot = i % STAGES
-        mbarrier.wait(z_free.index(slot), ((i // STAGES) & 1) ^ 1)
-        z_bufs.index(slot).store(z)
+        if FAST:
+            lo, hi = _nibbles(byte, DTYPE)
+            mbarrier.wait(z_free.index(slot), ((i // STAGES) & 1) ^ 1)
+            z_bufs.index(slot).slice(0, BLOCK_B, dim=1).store(lo)
+            z_bufs.index(slot).slice(BLOCK_B, BLOCK_B, dim=1).store(hi)
+        else:
+            z = _unpack(byte, BITS, BLOCK_B, DTYPE)
+            mbarrier.wait(z_free.index(slot), ((i // STAGES) & 1) ^ 1)
+            z_bufs.index(slot).store(z)
         fence_async_shared()
         mbarrier.arrive(z_ready.index(slot), count=1)
         i += 1
 
 
 @gluon.jit
-def _angle_sum(cos_a, sin_a, cos_b, sin_b):
-    return cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
+def _halves(x, ROWS: gl.constexpr, HALF: gl.constexpr):
+    """``(x[:, 0::2], x[:, 1::2])`` of a ``(ROWS, 2 * HALF)`` tile, in registers: with the
+    head dims interleaved, dims ``d`` and ``d + HALF`` (RoPE's pairs)."""
+    return gl.split(gl.reshape(x, [ROWS, HALF, 2]))
 
 
 @gluon.jit
-def _keys(alen_ptr, slen_ptr, kb_ptr, kn_ptr, cos_a, sin_a, cos_b, sin_b, eps, kb_sh,
-          z_bufs, k_bufs, dec1, dec2, angles, z_ready, k_ready, k_free, KV_HEADS, SPLIT_LEN,
-          HALF: gl.constexpr, ROPE: gl.constexpr, HAS_BIAS: gl.constexpr,
-          HAS_NORM: gl.constexpr, DTYPE: gl.constexpr):
-    """Partition 2: codes -> keys (the two halves' products, bias, RMSNorm, RoPE), rounded
-    to the query's dtype into shared memory, as a dense cache holds them."""
+def _interleave(a, b, ROWS: gl.constexpr, HALF: gl.constexpr):
+    return gl.reshape(gl.join(a, b), [ROWS, 2 * HALF])
+
+
+@gluon.jit
+def _keys(alen_ptr, kb_ptr, kn_ptr, cos_a, sin_a, eps, kb_sh, z_bufs, k_bufs, r_bufs, dec,
+          z_ready, k_ready, k_free, KV_HEADS, SPLIT_LEN, HALF: gl.constexpr,
+          ROPE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_NORM: gl.constexpr,
+          DTYPE: gl.constexpr):
+    """Partition 2: codes -> keys. One MMA gives a block's raw keys with the head dims
+    interleaved (``d``, ``d + HALF`` side by side, so RoPE's pairs sit in one thread); then
+    bias, the RMSNorm weight and RoPE by the block offset's angle (the same for every
+    block, so held in registers: the block's base angle turns the query instead). The
+    RMSNorm scale, one per row, goes to the scores partition, which applies it to the
+    scores. Keys rounded to the query's dtype into shared memory."""
     kl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                 instr_shape=[16, HALF, 16])
+                                                 instr_shape=[16, 2 * HALF, 16])
     b, kvh, split, start, end = _split_range(alen_ptr, KV_HEADS, SPLIT_LEN)
-    dd = gl.arange(0, HALF, gl.SliceLayout(0, kl))
-    sink = gl.load(slen_ptr + b)
-    zero_k = gl.zeros([BLOCK_N, HALF], gl.float32, kl)
+    zero_k = gl.zeros([BLOCK_N, 2 * HALF], gl.float32, kl)
+    proto, _ = _halves(zero_k, BLOCK_N, HALF)
+    hl: gl.constexpr = proto.type.layout
+    dd = gl.arange(0, HALF, gl.SliceLayout(0, hl))
+    if HAS_BIAS:
+        bias_a = gl.load(kb_ptr + kvh * kb_sh + dd).to(gl.float32)[None, :]
+        bias_b = gl.load(kb_ptr + kvh * kb_sh + HALF + dd).to(gl.float32)[None, :]
+    if HAS_NORM:
+        w_a = gl.load(kn_ptr + dd).to(gl.float32)[None, :]
+        w_b = gl.load(kn_ptr + HALF + dd).to(gl.float32)[None, :]
+    if ROPE == 1:  # the angles of offsets 0 .. BLOCK_N - 1: rows of the exact low table
+        rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, hl))[:, None] * HALF + dd[None, :]
+        cos = gl.load(cos_a + rows)
+        sin = gl.load(sin_a + rows)
     i = 0
     for n0 in range(start, end, BLOCK_N):
         slot = i % STAGES
         phase = (i // STAGES) & 1
         mbarrier.wait(z_ready.index(slot), phase)
-        z = z_bufs.index(slot)
-        k1 = warpgroup_mma(z, dec1, zero_k, use_acc=False, is_async=True)
-        k2 = warpgroup_mma(z, dec2, zero_k, use_acc=False, is_async=True)
-        if ROPE == 1:  # the block's angles load while the products run
-            base = sink + n0
-            lo = (base & RADIX_MASK) * HALF + dd
-            hi = (base >> RADIX_BITS) * HALF + dd
-            cb, sb = _angle_sum(gl.load(cos_a + lo), gl.load(sin_a + lo),
-                                gl.load(cos_b + hi), gl.load(sin_b + hi))
-            cos, sin = _angle_sum(angles.index(0).load(kl), angles.index(1).load(kl),
-                                  cb[None, :], sb[None, :])
-        k1, k2 = warpgroup_mma_wait(num_outstanding=0, deps=(k1, k2))
-        if HAS_BIAS:  # (loaded per block: registers are scarce, the vectors stay in L1)
-            k1 = k1 + gl.load(kb_ptr + kvh * kb_sh + dd).to(gl.float32)[None, :]
-            k2 = k2 + gl.load(kb_ptr + kvh * kb_sh + HALF + dd).to(gl.float32)[None, :]
+        k = warpgroup_mma(z_bufs.index(slot), dec, zero_k, use_acc=False, is_async=True)
+        k = warpgroup_mma_wait(num_outstanding=0, deps=(k,))
+        ka, kb = _halves(k, BLOCK_N, HALF)
+        if HAS_BIAS:
+            ka = ka + bias_a
+            kb = kb + bias_b
         if HAS_NORM:
-            ms = (gl.sum(k1 * k1, axis=1) + gl.sum(k2 * k2, axis=1)) / (2 * HALF)
-            r = gl.rsqrt(ms + eps)
-            k1 = k1 * r[:, None] * gl.load(kn_ptr + dd).to(gl.float32)[None, :]
-            k2 = k2 * r[:, None] * gl.load(kn_ptr + HALF + dd).to(gl.float32)[None, :]
+            ms = (gl.sum(ka * ka, axis=1) + gl.sum(kb * kb, axis=1)) / (2 * HALF)
+            ka = ka * w_a
+            kb = kb * w_b
         if ROPE == 1:
-            k1, k2 = k1 * cos - k2 * sin, k2 * cos + k1 * sin
+            ka, kb = ka * cos - kb * sin, kb * cos + ka * sin
         mbarrier.wait(k_free.index(slot), phase ^ 1)
-        k_bufs.index(2 * slot).store(k1.to(DTYPE))
-        k_bufs.index(2 * slot + 1).store(k2.to(DTYPE))
+        k_bufs.index(slot).store(_interleave(ka, kb, BLOCK_N, HALF).to(DTYPE))
+        if HAS_NORM:
+            r_bufs.index(slot).store(gl.rsqrt(ms + eps))
         fence_async_shared()
         mbarrier.arrive(k_ready.index(slot), count=1)
         i += 1
 
 
 @gluon.jit
-def _scores(alen_ptr, acc_ptr, ml_ptr, qk_scale, a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp,
-            z_bufs, k_bufs, q1, q2, p_buf, k_ready, k_free, z_free, KV_HEADS, GROUP, WIDTH,
-            SPLIT_LEN, BLOCK_M: gl.constexpr, BLOCK_W: gl.constexpr, DTYPE: gl.constexpr):
+def _query_tile(q_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, q_sb, q_sh, b, kvh, GROUP,
+                HALF: gl.constexpr, BLOCK_M: gl.constexpr, ROPE: gl.constexpr):
+    """The group's query heads, head dims interleaved, as float32 halves ``(BLOCK_M, HALF)``
+    (rows past the group zero), and the sequence's first archived position."""
+    ql: gl.constexpr = gl.BlockedLayout([1, HALF // 8], [4, 8], [4, 1], [1, 0])
+    g = gl.arange(0, BLOCK_M, gl.SliceLayout(1, ql))
+    d = gl.arange(0, HALF, gl.SliceLayout(0, ql))
+    rows = q_ptr + b * q_sb + (kvh * GROUP + g)[:, None] * q_sh + d[None, :]
+    ok = (g < GROUP)[:, None] & (d < HALF)[None, :]
+    qa = gl.load(rows, mask=ok, other=0.0).to(gl.float32)
+    qb = gl.load(rows + HALF, mask=ok, other=0.0).to(gl.float32)
+    return qa, qb, gl.load(slen_ptr + b)
+
+
+@gluon.jit
+def _turned_query(qa, qb, q_buf, base, cos_a, sin_a, cos_b, sin_b, HALF: gl.constexpr,
+                  BLOCK_M: gl.constexpr, DTYPE: gl.constexpr):
+    """``q_buf`` = the query turned back by the angle of position ``base`` (the transpose of
+    RoPE's rotation: ``q . R(base + r) k = R(base)^T q . R(r) k``), interleaved. The angle
+    from the exact tables by the angle-sum formula."""
+    d = gl.arange(0, HALF, gl.SliceLayout(0, qa.type.layout))
+    lo = (base & RADIX_MASK) * HALF + d
+    hi = (base >> RADIX_BITS) * HALF + d
+    ca, sa, cb, sb = gl.load(cos_a + lo), gl.load(sin_a + lo), gl.load(cos_b + hi), gl.load(sin_b + hi)
+    c = (ca * cb - sa * sb)[None, :]
+    s = (sa * cb + ca * sb)[None, :]
+    q_buf.store(_interleave(qa * c + qb * s, qb * c - qa * s, BLOCK_M, HALF).to(DTYPE))
+    fence_async_shared()
+
+
+@gluon.jit
+def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_ptr, qk_scale,
+            q_sb, q_sh, a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp, z_bufs, k_bufs, r_bufs, q_buf,
+            p_buf, k_ready, k_free, z_free, KV_HEADS, GROUP, WIDTH, SPLIT_LEN,
+            HALF: gl.constexpr, ROPE: gl.constexpr, HAS_NORM: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr, BLOCK_W: gl.constexpr,
+            DTYPE: gl.constexpr, FAST: gl.constexpr):
     """Partition 3 (the kernel's warps): keys -> scores of the group's heads (positions as
-    the MMA rows), the online softmax over positions, ``acc += codesᵀ @ weights``."""
+    the MMA rows) against the query turned by the block's base angle, times the keys'
+    RMSNorm scales, the online softmax over positions, ``acc += codesᵀ @ weights``."""
     sl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, BLOCK_M, 16])
     b, kvh, split, start, end = _split_range(alen_ptr, KV_HEADS, SPLIT_LEN)
+    qa, qb, sink = _query_tile(q_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, q_sb, q_sh, b,
+                               kvh, GROUP, HALF, BLOCK_M, ROPE)
+    if ROPE == 0:
+        q_buf.store(_interleave(qa, qb, BLOCK_M, HALF).to(DTYPE))
+        fence_async_shared()
     sn = gl.arange(0, BLOCK_N, gl.SliceLayout(1, sl))
     m = gl.full([BLOCK_M], NEG_BIG, gl.float32, gl.SliceLayout(0, sl))
     # the weight sums per (row, head), summed over rows once at the end
@@ -175,13 +285,19 @@ def _scores(alen_ptr, acc_ptr, ml_ptr, qk_scale, a_sb, a_sh, a_sp, ml_sb, ml_sh,
     i = 0
     for n0 in range(start, end, BLOCK_N):
         slot = i % STAGES
+        if ROPE == 1:  # (the previous block's score product has finished reading q_buf)
+            _turned_query(qa, qb, q_buf, sink + n0, cos_a, sin_a, cos_b, sin_b, HALF,
+                          BLOCK_M, DTYPE)
         mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
-        s = warpgroup_mma(k_bufs.index(2 * slot), q1.permute((1, 0)), zero_s, use_acc=False,
+        s = warpgroup_mma(k_bufs.index(slot), q_buf.permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
-        s = warpgroup_mma(k_bufs.index(2 * slot + 1), q2.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        if HAS_NORM:
+            scale = r_bufs.index(slot).load(gl.SliceLayout(1, sl))[:, None] * qk_scale
+        else:
+            scale = qk_scale
         mbarrier.arrive(k_free.index(slot), count=1)
-        s = gl.where((n0 + sn < end)[:, None], s * qk_scale, float("-inf"))
+        s = gl.where((n0 + sn < end)[:, None], s * scale, float("-inf"))
         m_new = gl.maximum(m, gl.max(s, axis=0))
         alpha = gl.exp2(m - m_new)
         p = gl.exp2(s - m_new[None, :]).to(DTYPE)
@@ -196,7 +312,7 @@ def _scores(alen_ptr, acc_ptr, ml_ptr, qk_scale, a_sb, a_sh, a_sp, ml_sb, ml_sh,
         i += 1
     l = gl.sum(lt, axis=0)
     g = gl.arange(0, BLOCK_M, gl.SliceLayout(0, sl))
-    c = gl.arange(0, BLOCK_W, gl.SliceLayout(1, sl))
+    c = _code_of(gl.arange(0, BLOCK_W, gl.SliceLayout(1, sl)), BLOCK_B, FAST)
     heads = kvh * GROUP + g
     out = acc_ptr + b * a_sb + split * a_sp + heads[None, :] * a_sh + c[:, None]
     gl.store(out, acc, mask=(g < GROUP)[None, :] & (c < WIDTH)[:, None])
@@ -214,47 +330,32 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                      NBYTES: gl.constexpr, BITS: gl.constexpr, ROPE: gl.constexpr,
                      HAS_BIAS: gl.constexpr, HAS_NORM: gl.constexpr, DTYPE: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr, BLOCK_W: gl.constexpr,
-                     BYTES: gl.constexpr, UNPACK_REGS: gl.constexpr, KEY_REGS: gl.constexpr):
+                     BYTES: gl.constexpr, FAST: gl.constexpr, UNPACK_REGS: gl.constexpr,
+                     KEY_REGS: gl.constexpr):
     pid = gl.program_id(1)
-    b = pid // KV_HEADS
     kvh = pid % KV_HEADS
-    # the decoder halves (BLOCK_W, HALF) and the group's query halves (BLOCK_M, HALF) go to
-    # shared memory once: the MMAs' B operands for the whole program
+    # the key decoder (BLOCK_W, 2 * HALF), head dims interleaved and rows in the code tile's
+    # column order, goes to shared memory once: the key product's B operand for the program
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     c = gl.arange(0, BLOCK_W, gl.SliceLayout(1, ld))
-    d = gl.arange(0, HALF, gl.SliceLayout(0, ld))
-    dec = kd_ptr + kvh * kd_sh + d[None, :] * kd_sd + c[:, None] * kd_sw
-    dec_ok = (c < WIDTH)[:, None] & (d < HALF)[None, :]
-    dec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_W, HALF], DTYPE)
-    dec1 = gl.allocate_shared_memory(DTYPE, [BLOCK_W, HALF], dec_layout,
-                                     gl.load(dec, mask=dec_ok, other=0.0))
-    dec2 = gl.allocate_shared_memory(DTYPE, [BLOCK_W, HALF], dec_layout,
-                                     gl.load(dec + HALF * kd_sd, mask=dec_ok, other=0.0))
-    g = gl.arange(0, BLOCK_M, gl.SliceLayout(1, ld))
-    q_rows = q_ptr + b * q_sb + (kvh * GROUP + g)[:, None] * q_sh + d[None, :]
-    q_ok = (g < GROUP)[:, None] & (d < HALF)[None, :]
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], DTYPE)
-    q1 = gl.allocate_shared_memory(DTYPE, [BLOCK_M, HALF], q_layout,
-                                   gl.load(q_rows, mask=q_ok, other=0.0))
-    q2 = gl.allocate_shared_memory(DTYPE, [BLOCK_M, HALF], q_layout,
-                                   gl.load(q_rows + HALF, mask=q_ok, other=0.0))
+    j = gl.arange(0, 2 * HALF, gl.SliceLayout(0, ld))
+    code = _code_of(c, BLOCK_B, FAST)
+    dim = (j >> 1) + (j & 1) * HALF
+    dec_ptrs = kd_ptr + kvh * kd_sh + dim[None, :] * kd_sd + code[:, None] * kd_sw
+    dec_ok = (code < WIDTH)[:, None] & (j < 2 * HALF)[None, :]
+    dec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_W, 2 * HALF], DTYPE)
+    dec = gl.allocate_shared_memory(DTYPE, [BLOCK_W, 2 * HALF], dec_layout,
+                                    gl.load(dec_ptrs, mask=dec_ok, other=0.0))
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 2 * HALF], DTYPE)
+    q_buf = gl.allocate_shared_memory(DTYPE, [BLOCK_M, 2 * HALF], q_layout)
     z_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_W], DTYPE)
     z_bufs = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, BLOCK_W], z_layout)
-    # the finished key halves, (2 * STAGES, BLOCK_N, HALF): the score products' A operands
-    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], DTYPE)
-    k_bufs = gl.allocate_shared_memory(DTYPE, [2 * STAGES, BLOCK_N, HALF], k_layout)
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 2 * HALF], DTYPE)
+    k_bufs = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, 2 * HALF], k_layout)
+    r_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    r_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], r_layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], DTYPE)
     p_buf = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_M], p_layout)
-    # RoPE: the angles of a block's offsets 0 .. BLOCK_N - 1, the same for every block, in
-    # shared memory (L1 is too small beside the buffers to keep them)
-    a_layout: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 8, [1, 0])
-    if ROPE == 1:
-        rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ld))[:, None] * HALF + d[None, :]
-        angles = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, HALF], a_layout)
-        angles.index(0).store(gl.load(cos_a + rows))
-        angles.index(1).store(gl.load(sin_a + rows))
-    else:
-        angles = gl.allocate_shared_memory(gl.float32, [2, 1, HALF], a_layout)
     z_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     z_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -266,21 +367,22 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
         mbarrier.init(k_free.index(s), count=1)
     fence_async_shared()
     gl.warp_specialize([
-        (_scores, (alen_ptr, acc_ptr, ml_ptr, qk_scale, a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp,
-                   z_bufs, k_bufs, q1, q2, p_buf, k_ready, k_free, z_free, KV_HEADS, GROUP,
-                   WIDTH, SPLIT_LEN, BLOCK_M, BLOCK_W, DTYPE)),
+        (_scores, (q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_ptr,
+                   qk_scale, q_sb, q_sh, a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp, z_bufs,
+                   k_bufs, r_bufs, q_buf, p_buf, k_ready, k_free, z_free, KV_HEADS, GROUP,
+                   WIDTH, SPLIT_LEN, HALF, ROPE, HAS_NORM, BLOCK_M, BLOCK_B, BLOCK_W, DTYPE, FAST)),
         (_unpacker, (codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_HEADS, SPLIT_LEN, c_sb,
-                     c_sn, NBYTES, BITS, BLOCK_B, BYTES, DTYPE)),
-        (_keys, (alen_ptr, slen_ptr, kb_ptr, kn_ptr, cos_a, sin_a, cos_b, sin_b, eps, kb_sh,
-                 z_bufs, k_bufs, dec1, dec2, angles, z_ready, k_ready, k_free, KV_HEADS,
-                 SPLIT_LEN, HALF, ROPE, HAS_BIAS, HAS_NORM, DTYPE)),
+                     c_sn, NBYTES, BITS, BLOCK_B, BYTES, DTYPE, FAST)),
+        (_keys, (alen_ptr, kb_ptr, kn_ptr, cos_a, sin_a, eps, kb_sh, z_bufs, k_bufs, r_bufs,
+                 dec, z_ready, k_ready, k_free, KV_HEADS, SPLIT_LEN, HALF, ROPE, HAS_BIAS,
+                 HAS_NORM, DTYPE)),
     ], [4, 4], [UNPACK_REGS, KEY_REGS])
 
 
-def byte_vector(nbytes: int, row_stride: int) -> int:
-    """Bytes one thread loads at once: the largest power of two up to 16 dividing both the
-    row length and the row stride (so every vector load is aligned)."""
-    vec = 16
+def byte_vector(nbytes: int, row_stride: int, most: int = 16) -> int:
+    """Bytes one thread loads at once: the largest power of two up to ``most`` dividing both
+    the row length and the row stride (so every vector load is aligned)."""
+    vec = most
     while vec > 1 and (nbytes % vec or row_stride % vec):
         vec //= 2
     return vec
@@ -300,6 +402,7 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
     bits = uniform_bits(p.levels)
     nbytes = codes.shape[2]
     block_b = ws_block_bytes(width, bits)
+    vec = byte_vector(nbytes, codes.stride(1), 8)  # 8 codes per tile part: 16 bytes
     args = [p.query, codes, p.archived_lengths, p.sink_lengths, kd, kb, kn,
             cos_a, sin_a, cos_b, sin_b, acc, ml, p.scale * LOG2E, p.eps,
             p.query.stride(0), p.query.stride(1), codes.stride(0), codes.stride(1),
@@ -309,8 +412,7 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
                   HAS_BIAS=p.key_bias is not None, HAS_NORM=p.k_norm is not None,
                   DTYPE=_GL[p.query.dtype], BLOCK_M=16, BLOCK_B=block_b,
                   BLOCK_W=block_b * (8 // bits),
-                  BYTES=byte_layout(block_b, byte_vector(nbytes, codes.stride(1))),
-                  UNPACK_REGS=regs[1], KEY_REGS=regs[2])
+                  BYTES=byte_layout(block_b, vec), FAST=bits == 4 and vec >= 4 and block_b >= 64, UNPACK_REGS=regs[1], KEY_REGS=regs[2])
     return args, consts, {"num_warps": 4, "maxnreg": regs[0]}
 
 

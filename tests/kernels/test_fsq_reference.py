@@ -24,6 +24,8 @@ from kernels._fsq_plan import (
     MAX_THETA_POSITION,
     ROPE_RADIX_BITS,
     SPLIT_TUNING,
+    WS_SHARED_LIMIT,
+    WS_SHARED_SLACK,
     best_split_len,
     choose_num_splits,
     default_block_n,
@@ -33,6 +35,7 @@ from kernels._fsq_plan import (
     theta_tables,
     uses_ws,
     ws_limit,
+    ws_shared_bytes,
 )
 from kernels._plan import split_layout
 from kernels.fsq_reference import reconstruct_keys, rope_cos_sin
@@ -138,8 +141,9 @@ def test_triton_names_the_kernel_limit(change, limit):
     ({"decoder_dtype": torch.float32}, "float16/bfloat16 query and key decoder"),
     ({"decoder_dtype": torch.float16}, "float16/bfloat16 query and key decoder"),
     ({"levels": 4}, "16- or 256-level codes"),
-    ({"head_dim": 24}, "head_dim / 2 a power of two"),
-    ({"head_dim": 16}, "head_dim / 2 a power of two"),
+    ({"head_dim": 24}, "head_dim a power of two in [32, 128]"),
+    ({"head_dim": 16}, "head_dim a power of two in [32, 128]"),
+    ({"head_dim": 256, "width": 64}, "head_dim a power of two in [32, 128]"),
     ({"q_heads": 34}, "at most 16 query heads per kv head"),
     ({"positions": 5}, "RoPE by theta at consecutive positions"),
     ({"width": 257}, "at most 256 code coordinates"),
@@ -163,11 +167,15 @@ def test_warp_specialized_kernel_needs_triton_3_6(monkeypatch):
     assert "needs a Hopper GPU" in ws_limit(problem)
 
 
-def test_head_dim_256_fits_shared_memory_only_at_small_widths():
-    small = validate_fsq_args(**make_fsq_case(head_dim=256, width=64, dtype=torch.bfloat16))
-    assert "needs a Hopper GPU" in ws_limit(small)  # every other requirement holds
-    wide = validate_fsq_args(**make_fsq_case(head_dim=256, width=128, dtype=torch.bfloat16))
-    assert "width 128 at head_dim 256 takes 234 KB" in ws_limit(wide)
+def test_warp_specialized_kernel_head_dims_and_shared_memory():
+    # head_dim 256 would need 128 accumulator registers per thread for a block's keys
+    big = validate_fsq_args(**make_fsq_case(head_dim=256, width=64, dtype=torch.bfloat16))
+    assert "needs head_dim a power of two in [32, 128]" in ws_limit(big)
+    # the widest codes at the largest head_dim fit a Hopper block's shared memory
+    widest = validate_fsq_args(**make_fsq_case(head_dim=128, width=256, levels=256,
+                                               dtype=torch.bfloat16))
+    assert "needs a Hopper GPU" in ws_limit(widest)  # every other requirement holds
+    assert ws_shared_bytes(256, 128, 8) + WS_SHARED_SLACK <= WS_SHARED_LIMIT
 
 
 def test_routing_on_a_pretend_hopper(monkeypatch):

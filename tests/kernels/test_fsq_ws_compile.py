@@ -59,6 +59,8 @@ def _compile(case):
     assert list(signature) == params  # every parameter has an argument or a constexpr
     source = GluonASTSource(fn=fn, signature=signature,
                             constexprs={(params.index(k),): v for k, v in consts.items()})
+    assert consts["FAST"] == (uniform_bits(problem.levels) == 4 and consts["BLOCK_B"] >= 64
+                              and problem.codes.shape[2] % 8 == 0)
     return problem, triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -71,16 +73,19 @@ def _compile(case):
          dtype=torch.bfloat16),  # 16 query heads per kv head, 8-bit codes, head_dim / 2 = 16
     dict(width=24, dtype=torch.float16),  # 12-byte rows: the codes padded to 64 MMA rows
     dict(width=16, levels=256, head_dim=64, dtype=torch.bfloat16),
-    dict(q_heads=8, kv_heads=2, head_dim=256, width=64, dtype=torch.bfloat16),  # just fits
+    dict(QWEN3, width=256, dtype=torch.float16, bias=False),  # the fast unpack in float16
 ], ids=["qwen3-32x", "qwen3-97.5x", "gpt2", "group16-256levels", "w24", "w16-256levels",
-        "head_dim256"])
+        "qwen3-32x-fp16"])
 def test_warp_specialized_kernel_compiles_for_hopper(kwargs):
     problem, kernel = _compile(make_fsq_case(batch=2, archived=300, **kwargs))
     # the launcher's buffers, as ws_limit counts them, bound what the kernel takes
     counted = ws_shared_bytes(problem.width, problem.query.shape[2],
-                              uniform_bits(problem.levels), problem.rope is not None)
+                              uniform_bits(problem.levels), problem.k_norm is not None)
     assert counted <= kernel.metadata.shared <= counted + WS_SHARED_SLACK <= WS_SHARED_LIMIT
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "mbarrier.try_wait" in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert kernel.asm["cubin"]  # ptxas accepted it
+    # 4-bit codes in rows of whole 8-byte words take the bit-operation unpack
+    fast = uniform_bits(problem.levels) == 4 and problem.codes.shape[2] % 8 == 0
+    assert ("0x000F000F" in ptx) == fast
