@@ -162,6 +162,11 @@ def _unpacker(codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_HEADS, SPLIT_LEN,
 
 
 @gluon.jit
+def _angle_sum(cos_a, sin_a, cos_b, sin_b):
+    return cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
+
+
+@gluon.jit
 def _halves(x, ROWS: gl.constexpr, HALF: gl.constexpr):
     """``(x[:, 0::2], x[:, 1::2])`` of a ``(ROWS, 2 * HALF)`` tile, in registers: with the
     head dims interleaved, dims ``d`` and ``d + HALF`` (RoPE's pairs)."""
@@ -202,7 +207,7 @@ def _keys(alen_ptr, kb_ptr, kn_ptr, cos_a, sin_a, eps, kb_sh, z_bufs, k_bufs, r_
         cos = gl.load(cos_a + rows)
         sin = gl.load(sin_a + rows)
     i = 0
-    for n0 in range(start, end, BLOCK_N):
+    for _ in range(start, end, BLOCK_N):
         slot = i % STAGES
         phase = (i // STAGES) & 1
         mbarrier.wait(z_ready.index(slot), phase)
@@ -251,9 +256,10 @@ def _turned_query(qa, qb, q_buf, base, cos_a, sin_a, cos_b, sin_b, HALF: gl.cons
     d = gl.arange(0, HALF, gl.SliceLayout(0, qa.type.layout))
     lo = (base & RADIX_MASK) * HALF + d
     hi = (base >> RADIX_BITS) * HALF + d
-    ca, sa, cb, sb = gl.load(cos_a + lo), gl.load(sin_a + lo), gl.load(cos_b + hi), gl.load(sin_b + hi)
-    c = (ca * cb - sa * sb)[None, :]
-    s = (sa * cb + ca * sb)[None, :]
+    c, s = _angle_sum(gl.load(cos_a + lo), gl.load(sin_a + lo), gl.load(cos_b + hi),
+                      gl.load(sin_b + hi))
+    c = c[None, :]
+    s = s[None, :]
     q_buf.store(_interleave(qa * c + qb * s, qb * c - qa * s, BLOCK_M, HALF).to(DTYPE))
     fence_async_shared()
 
@@ -412,7 +418,8 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
                   HAS_BIAS=p.key_bias is not None, HAS_NORM=p.k_norm is not None,
                   DTYPE=_GL[p.query.dtype], BLOCK_M=16, BLOCK_B=block_b,
                   BLOCK_W=block_b * (8 // bits),
-                  BYTES=byte_layout(block_b, vec), FAST=bits == 4 and vec >= 4 and block_b >= 64, UNPACK_REGS=regs[1], KEY_REGS=regs[2])
+                  BYTES=byte_layout(block_b, vec), FAST=bits == 4 and vec >= 4 and block_b >= 64,
+                  UNPACK_REGS=regs[1], KEY_REGS=regs[2])
     return args, consts, {"num_warps": 4, "maxnreg": regs[0]}
 
 
