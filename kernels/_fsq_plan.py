@@ -36,6 +36,7 @@ MIN_SPLIT_LEN = 256  # archived positions per split program, at least
 SPLIT_TUNING = {"block_n": 128, "num_warps": 8, "num_stages": 1, "prefetch": True,
                 "no_licm": True, "ws": True}
 WS_BLOCK_N = 64  # positions per step of the warp-specialized kernel: one warp group's rows
+WS_CODE_STAGES = 3  # its code buffers: one being unpacked, one for the keys, one weighted
 # positions a split program's fixed work stands for (decoder load, its share of the merge),
 # fitted to the H200 at batch 1, 32K (one wave of 16 splits 4% faster than two of 33)
 PROGRAM_COST = 128
@@ -193,11 +194,11 @@ WS_SHARED_SLACK = 4096  # the compiler's own shared memory beside the buffers (b
 
 
 def ws_shared_bytes(width: int, head_dim: int, bits: int, norm: bool = True) -> int:
-    """Shared memory of the warp-specialized kernel's buffers, bytes: the key decoder, two
-    code buffers, two key buffers (and with ``norm`` their RMSNorm scales), the query and
-    the weights. ``block_w`` as the launcher pads it."""
+    """Shared memory of the warp-specialized kernel's buffers, bytes: the key decoder,
+    ``WS_CODE_STAGES`` code buffers, two key buffers (and with ``norm`` their RMSNorm
+    scales), the query and the weights. ``block_w`` as the launcher pads it."""
     block_w = ws_block_bytes(width, bits) * (8 // bits)
-    return (2 * block_w * head_dim + 2 * 2 * WS_BLOCK_N * block_w
+    return (2 * block_w * head_dim + WS_CODE_STAGES * 2 * WS_BLOCK_N * block_w
             + 2 * 2 * WS_BLOCK_N * head_dim + 2 * 16 * head_dim + 2 * WS_BLOCK_N * 16
             + (2 * 4 * WS_BLOCK_N if norm else 0))
 

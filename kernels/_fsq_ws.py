@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from kernels import _fsq_plan
 from kernels._common import LOG2E, NEG_BIG
 from kernels._fsq_plan import (
     ROPE_RADIX_BITS,
@@ -45,7 +46,7 @@ from kernels._fsq_plan import (
 )
 
 BLOCK_N = gl.constexpr(WS_BLOCK_N)
-STAGES = gl.constexpr(2)  # code and key buffers in flight between the partitions
+STAGES = gl.constexpr(2)  # key buffers in flight between the keys and scores partitions
 _GL = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 RADIX_BITS = gl.constexpr(ROPE_RADIX_BITS)
 RADIX_MASK = gl.constexpr((1 << ROPE_RADIX_BITS) - 1)
@@ -134,31 +135,47 @@ def _split_range(alen_ptr, KV_HEADS, SPLIT_LEN):
 @gluon.jit
 def _unpacker(codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_HEADS, SPLIT_LEN, c_sb, c_sn,
               NBYTES: gl.constexpr, BITS: gl.constexpr, BLOCK_B: gl.constexpr,
-              LAYOUT: gl.constexpr, DTYPE: gl.constexpr, FAST: gl.constexpr):
+              LAYOUT: gl.constexpr, DTYPE: gl.constexpr, FAST: gl.constexpr,
+              Z_STAGES: gl.constexpr):
     """Partition 1: packed rows -> codes in shared memory, a block ahead of the keys."""
     layout: gl.constexpr = LAYOUT
     b, kvh, split, start, end = _split_range(alen_ptr, KV_HEADS, SPLIT_LEN)
     rows0 = gl.arange(0, BLOCK_N, gl.SliceLayout(1, layout))
     j = gl.arange(0, BLOCK_B, gl.SliceLayout(0, layout))
-    base = codes_ptr + b.to(gl.int64) * c_sb + j[None, :]
+    row_base = codes_ptr + b.to(gl.int64) * c_sb
+    offs = rows0[:, None] * c_sn + j[None, :]  # (within a block: int32)
+    # with FAST, the next block's rows are in flight while a block is unpacked and stored
+    # (the narrow loads of rows not 4-byte aligned took longer that way: not done there)
+    if FAST:
+        after = _load_rows(row_base, offs, start, end, rows0, j, c_sn, NBYTES)
     i = 0
     for n0 in range(start, end, BLOCK_N):
-        rows = n0 + rows0
-        ok = (rows < end)[:, None] & (j < NBYTES)[None, :]
-        byte = gl.load(base + rows.to(gl.int64)[:, None] * c_sn, mask=ok, other=0)
-        slot = i % STAGES
+        if FAST:
+            byte = after
+            after = _load_rows(row_base, offs, n0 + BLOCK_N, end, rows0, j, c_sn, NBYTES)
+        else:
+            byte = _load_rows(row_base, offs, n0, end, rows0, j, c_sn, NBYTES)
+        slot = i % Z_STAGES
+        free_phase = ((i // Z_STAGES) & 1) ^ 1
         if FAST:
             lo, hi = _nibbles(byte, DTYPE)
-            mbarrier.wait(z_free.index(slot), ((i // STAGES) & 1) ^ 1)
+            mbarrier.wait(z_free.index(slot), free_phase)
             z_bufs.index(slot).slice(0, BLOCK_B, dim=1).store(lo)
             z_bufs.index(slot).slice(BLOCK_B, BLOCK_B, dim=1).store(hi)
         else:
             z = _unpack(byte, BITS, BLOCK_B, DTYPE)
-            mbarrier.wait(z_free.index(slot), ((i // STAGES) & 1) ^ 1)
+            mbarrier.wait(z_free.index(slot), free_phase)
             z_bufs.index(slot).store(z)
         fence_async_shared()
         mbarrier.arrive(z_ready.index(slot), count=1)
         i += 1
+
+
+@gluon.jit
+def _load_rows(row_base, offs, n0, end, rows0, j, c_sn, NBYTES: gl.constexpr):
+    """The packed rows ``n0 + rows0`` (zero past ``end`` and past ``NBYTES``)."""
+    ok = (n0 + rows0 < end)[:, None] & (j < NBYTES)[None, :]
+    return gl.load(row_base + n0.to(gl.int64) * c_sn + offs, mask=ok, other=0)
 
 
 @gluon.jit
@@ -179,13 +196,41 @@ def _interleave(a, b, ROWS: gl.constexpr, HALF: gl.constexpr):
 
 
 @gluon.jit
+def _key_constants(kb_ptr, kn_ptr, cos_a, sin_a, kb_sh, kvh, layout: gl.constexpr,
+                   HALF: gl.constexpr, ROPE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   HAS_NORM: gl.constexpr):
+    """What the keys need for the whole program: ``(bias_a, bias_b, w_a, w_b, cos, sin)``
+    for dims ``d`` and ``d + HALF`` (row vectors; registers are scarce) and the angles of
+    block offsets ``0 .. BLOCK_N - 1``, in ``layout``; unused ones are placeholders."""
+    dd = gl.arange(0, HALF, gl.SliceLayout(0, layout))
+    zero = gl.zeros([HALF], gl.float32, gl.SliceLayout(0, layout))[None, :]
+    bias_a = zero
+    bias_b = zero
+    w_a = zero
+    w_b = zero
+    cos = zero
+    sin = zero
+    if HAS_BIAS:
+        bias_a = gl.load(kb_ptr + kvh * kb_sh + dd).to(gl.float32)[None, :]
+        bias_b = gl.load(kb_ptr + kvh * kb_sh + HALF + dd).to(gl.float32)[None, :]
+    if HAS_NORM:
+        w_a = gl.load(kn_ptr + dd).to(gl.float32)[None, :]
+        w_b = gl.load(kn_ptr + HALF + dd).to(gl.float32)[None, :]
+    if ROPE == 1:  # rows of the exact low table
+        rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, layout))[:, None] * HALF + dd[None, :]
+        cos = gl.load(cos_a + rows)
+        sin = gl.load(sin_a + rows)
+    return bias_a, bias_b, w_a, w_b, cos, sin
+
+
+@gluon.jit
 def _keys(alen_ptr, kb_ptr, kn_ptr, cos_a, sin_a, eps, kb_sh, z_bufs, k_bufs, r_bufs, dec,
           z_ready, k_ready, k_free, KV_HEADS, SPLIT_LEN, HALF: gl.constexpr,
           ROPE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_NORM: gl.constexpr,
-          DTYPE: gl.constexpr):
-    """Partition 2: codes -> keys. One MMA gives a block's raw keys with the head dims
-    interleaved (``d``, ``d + HALF`` side by side, so RoPE's pairs sit in one thread); then
-    bias, the RMSNorm weight and RoPE by the block offset's angle (the same for every
+          DTYPE: gl.constexpr, Z_STAGES: gl.constexpr):
+    """Partition 2: codes -> keys. One warp-group MMA gives a block's raw keys with the head
+    dims interleaved (``d``, ``d + HALF`` side by side, so RoPE's pairs sit in one thread);
+    then bias, the RMSNorm weight and RoPE by the block offset's angle (the same for every
     block, so held in registers: the block's base angle turns the query instead). The
     RMSNorm scale, one per row, goes to the scores partition, which applies it to the
     scores. Keys rounded to the query's dtype into shared memory."""
@@ -195,72 +240,65 @@ def _keys(alen_ptr, kb_ptr, kn_ptr, cos_a, sin_a, eps, kb_sh, z_bufs, k_bufs, r_
     zero_k = gl.zeros([BLOCK_N, 2 * HALF], gl.float32, kl)
     proto, _ = _halves(zero_k, BLOCK_N, HALF)
     hl: gl.constexpr = proto.type.layout
-    dd = gl.arange(0, HALF, gl.SliceLayout(0, hl))
-    if HAS_BIAS:
-        bias_a = gl.load(kb_ptr + kvh * kb_sh + dd).to(gl.float32)[None, :]
-        bias_b = gl.load(kb_ptr + kvh * kb_sh + HALF + dd).to(gl.float32)[None, :]
-    if HAS_NORM:
-        w_a = gl.load(kn_ptr + dd).to(gl.float32)[None, :]
-        w_b = gl.load(kn_ptr + HALF + dd).to(gl.float32)[None, :]
-    if ROPE == 1:  # the angles of offsets 0 .. BLOCK_N - 1: rows of the exact low table
-        rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, hl))[:, None] * HALF + dd[None, :]
-        cos = gl.load(cos_a + rows)
-        sin = gl.load(sin_a + rows)
+    bias_a, bias_b, w_a, w_b, cos, sin = _key_constants(kb_ptr, kn_ptr, cos_a, sin_a, kb_sh,
+                                                        kvh, hl, HALF, ROPE, HAS_BIAS,
+                                                        HAS_NORM)
     i = 0
     for _ in range(start, end, BLOCK_N):
-        slot = i % STAGES
-        phase = (i // STAGES) & 1
-        mbarrier.wait(z_ready.index(slot), phase)
-        k = warpgroup_mma(z_bufs.index(slot), dec, zero_k, use_acc=False, is_async=True)
+        zslot = i % Z_STAGES
+        mbarrier.wait(z_ready.index(zslot), (i // Z_STAGES) & 1)
+        k = warpgroup_mma(z_bufs.index(zslot), dec, zero_k, use_acc=False, is_async=True)
         k = warpgroup_mma_wait(num_outstanding=0, deps=(k,))
         ka, kb = _halves(k, BLOCK_N, HALF)
         if HAS_BIAS:
             ka = ka + bias_a
             kb = kb + bias_b
         if HAS_NORM:
-            ms = (gl.sum(ka * ka, axis=1) + gl.sum(kb * kb, axis=1)) / (2 * HALF)
+            ss = gl.sum(ka * ka, axis=1) + gl.sum(kb * kb, axis=1)
             ka = ka * w_a
             kb = kb * w_b
         if ROPE == 1:
             ka, kb = ka * cos - kb * sin, kb * cos + ka * sin
-        mbarrier.wait(k_free.index(slot), phase ^ 1)
+        slot = i % STAGES
+        mbarrier.wait(k_free.index(slot), ((i // STAGES) & 1) ^ 1)
         k_bufs.index(slot).store(_interleave(ka, kb, BLOCK_N, HALF).to(DTYPE))
         if HAS_NORM:
-            r_bufs.index(slot).store(gl.rsqrt(ms + eps))
+            r_bufs.index(slot).store(gl.rsqrt(ss / (2 * HALF) + eps))
         fence_async_shared()
         mbarrier.arrive(k_ready.index(slot), count=1)
         i += 1
 
 
 @gluon.jit
-def _query_tile(q_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, q_sb, q_sh, b, kvh, GROUP,
-                HALF: gl.constexpr, BLOCK_M: gl.constexpr, ROPE: gl.constexpr):
-    """The group's query heads, head dims interleaved, as float32 halves ``(BLOCK_M, HALF)``
-    (rows past the group zero), and the sequence's first archived position."""
+def _query_halves(q_ptr, q_sb, q_sh, b, kvh, GROUP, HALF: gl.constexpr,
+                  BLOCK_M: gl.constexpr):
+    """The group's query heads as float32 ``(dims d, dims d + HALF)``, each
+    ``(BLOCK_M, HALF)`` (rows past the group zero)."""
     ql: gl.constexpr = gl.BlockedLayout([1, HALF // 8], [4, 8], [4, 1], [1, 0])
     g = gl.arange(0, BLOCK_M, gl.SliceLayout(1, ql))
     d = gl.arange(0, HALF, gl.SliceLayout(0, ql))
     rows = q_ptr + b * q_sb + (kvh * GROUP + g)[:, None] * q_sh + d[None, :]
     ok = (g < GROUP)[:, None] & (d < HALF)[None, :]
-    qa = gl.load(rows, mask=ok, other=0.0).to(gl.float32)
-    qb = gl.load(rows + HALF, mask=ok, other=0.0).to(gl.float32)
-    return qa, qb, gl.load(slen_ptr + b)
+    return (gl.load(rows, mask=ok, other=0.0).to(gl.float32),
+            gl.load(rows + HALF, mask=ok, other=0.0).to(gl.float32))
 
 
 @gluon.jit
 def _turned_query(qa, qb, q_buf, base, cos_a, sin_a, cos_b, sin_b, HALF: gl.constexpr,
-                  BLOCK_M: gl.constexpr, DTYPE: gl.constexpr):
+                  BLOCK_M: gl.constexpr, DTYPE: gl.constexpr, ROPE: gl.constexpr):
     """``q_buf`` = the query turned back by the angle of position ``base`` (the transpose of
-    RoPE's rotation: ``q . R(base + r) k = R(base)^T q . R(r) k``), interleaved. The angle
-    from the exact tables by the angle-sum formula."""
-    d = gl.arange(0, HALF, gl.SliceLayout(0, qa.type.layout))
-    lo = (base & RADIX_MASK) * HALF + d
-    hi = (base >> RADIX_BITS) * HALF + d
-    c, s = _angle_sum(gl.load(cos_a + lo), gl.load(sin_a + lo), gl.load(cos_b + hi),
-                      gl.load(sin_b + hi))
-    c = c[None, :]
-    s = s[None, :]
-    q_buf.store(_interleave(qa * c + qb * s, qb * c - qa * s, BLOCK_M, HALF).to(DTYPE))
+    RoPE's rotation: ``q . R(base + r) k = R(base)^T q . R(r) k``; the angle from the exact
+    tables by the angle-sum formula), head dims interleaved; as it is without RoPE."""
+    if ROPE == 1:
+        d = gl.arange(0, HALF, gl.SliceLayout(0, qa.type.layout))
+        lo = (base & RADIX_MASK) * HALF + d
+        hi = (base >> RADIX_BITS) * HALF + d
+        c, s = _angle_sum(gl.load(cos_a + lo), gl.load(sin_a + lo), gl.load(cos_b + hi),
+                          gl.load(sin_b + hi))
+        c = c[None, :]
+        s = s[None, :]
+        qa, qb = qa * c + qb * s, qb * c - qa * s
+    q_buf.store(_interleave(qa, qb, BLOCK_M, HALF).to(DTYPE))
     fence_async_shared()
 
 
@@ -270,18 +308,18 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
             p_buf, k_ready, k_free, z_free, KV_HEADS, GROUP, WIDTH, SPLIT_LEN,
             HALF: gl.constexpr, ROPE: gl.constexpr, HAS_NORM: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr, BLOCK_W: gl.constexpr,
-            DTYPE: gl.constexpr, FAST: gl.constexpr):
+            DTYPE: gl.constexpr, FAST: gl.constexpr, Z_STAGES: gl.constexpr):
     """Partition 3 (the kernel's warps): keys -> scores of the group's heads (positions as
     the MMA rows) against the query turned by the block's base angle, times the keys'
     RMSNorm scales, the online softmax over positions, ``acc += codesᵀ @ weights``."""
     sl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, BLOCK_M, 16])
     b, kvh, split, start, end = _split_range(alen_ptr, KV_HEADS, SPLIT_LEN)
-    qa, qb, sink = _query_tile(q_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, q_sb, q_sh, b,
-                               kvh, GROUP, HALF, BLOCK_M, ROPE)
+    sink = gl.load(slen_ptr + b)
+    qa, qb = _query_halves(q_ptr, q_sb, q_sh, b, kvh, GROUP, HALF, BLOCK_M)
     if ROPE == 0:
-        q_buf.store(_interleave(qa, qb, BLOCK_M, HALF).to(DTYPE))
-        fence_async_shared()
+        _turned_query(qa, qb, q_buf, sink, cos_a, sin_a, cos_b, sin_b, HALF, BLOCK_M, DTYPE,
+                      ROPE)
     sn = gl.arange(0, BLOCK_N, gl.SliceLayout(1, sl))
     m = gl.full([BLOCK_M], NEG_BIG, gl.float32, gl.SliceLayout(0, sl))
     # the weight sums per (row, head), summed over rows once at the end
@@ -293,7 +331,7 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
         slot = i % STAGES
         if ROPE == 1:  # (the previous block's score product has finished reading q_buf)
             _turned_query(qa, qb, q_buf, sink + n0, cos_a, sin_a, cos_b, sin_b, HALF,
-                          BLOCK_M, DTYPE)
+                          BLOCK_M, DTYPE, ROPE)
         mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
         s = warpgroup_mma(k_bufs.index(slot), q_buf.permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
@@ -311,10 +349,11 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
         m = m_new
         p_buf.store(p)
         fence_async_shared()
-        acc = warpgroup_mma(z_bufs.index(slot).permute((1, 0)), p_buf, acc * alpha[None, :],
+        zslot = i % Z_STAGES
+        acc = warpgroup_mma(z_bufs.index(zslot).permute((1, 0)), p_buf, acc * alpha[None, :],
                             is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(z_free.index(slot), count=1)
+        mbarrier.arrive(z_free.index(zslot), count=1)
         i += 1
     l = gl.sum(lt, axis=0)
     g = gl.arange(0, BLOCK_M, gl.SliceLayout(0, sl))
@@ -336,16 +375,16 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                      NBYTES: gl.constexpr, BITS: gl.constexpr, ROPE: gl.constexpr,
                      HAS_BIAS: gl.constexpr, HAS_NORM: gl.constexpr, DTYPE: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr, BLOCK_W: gl.constexpr,
-                     BYTES: gl.constexpr, FAST: gl.constexpr, UNPACK_REGS: gl.constexpr,
-                     KEY_REGS: gl.constexpr):
+                     BYTES: gl.constexpr, FAST: gl.constexpr, Z_STAGES: gl.constexpr,
+                     UNPACK_REGS: gl.constexpr, KEY_REGS: gl.constexpr):
     pid = gl.program_id(1)
     kvh = pid % KV_HEADS
     # the key decoder (BLOCK_W, 2 * HALF), head dims interleaved and rows in the code tile's
     # column order, goes to shared memory once: the key product's B operand for the program
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     c = gl.arange(0, BLOCK_W, gl.SliceLayout(1, ld))
-    j = gl.arange(0, 2 * HALF, gl.SliceLayout(0, ld))
     code = _code_of(c, BLOCK_B, FAST)
+    j = gl.arange(0, 2 * HALF, gl.SliceLayout(0, ld))
     dim = (j >> 1) + (j & 1) * HALF
     dec_ptrs = kd_ptr + kvh * kd_sh + dim[None, :] * kd_sd + code[:, None] * kd_sw
     dec_ok = (code < WIDTH)[:, None] & (j < 2 * HALF)[None, :]
@@ -355,20 +394,21 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 2 * HALF], DTYPE)
     q_buf = gl.allocate_shared_memory(DTYPE, [BLOCK_M, 2 * HALF], q_layout)
     z_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_W], DTYPE)
-    z_bufs = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, BLOCK_W], z_layout)
+    z_bufs = gl.allocate_shared_memory(DTYPE, [Z_STAGES, BLOCK_N, BLOCK_W], z_layout)
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 2 * HALF], DTYPE)
     k_bufs = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, 2 * HALF], k_layout)
     r_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     r_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], r_layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], DTYPE)
     p_buf = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_M], p_layout)
-    z_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    z_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    z_ready = gl.allocate_shared_memory(gl.int64, [Z_STAGES, 1], mbarrier.MBarrierLayout())
+    z_free = gl.allocate_shared_memory(gl.int64, [Z_STAGES, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
+    for s in gl.static_range(Z_STAGES):
         mbarrier.init(z_ready.index(s), count=1)
         mbarrier.init(z_free.index(s), count=1)
+    for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(k_free.index(s), count=1)
     fence_async_shared()
@@ -376,12 +416,13 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
         (_scores, (q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_ptr,
                    qk_scale, q_sb, q_sh, a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp, z_bufs,
                    k_bufs, r_bufs, q_buf, p_buf, k_ready, k_free, z_free, KV_HEADS, GROUP,
-                   WIDTH, SPLIT_LEN, HALF, ROPE, HAS_NORM, BLOCK_M, BLOCK_B, BLOCK_W, DTYPE, FAST)),
+                   WIDTH, SPLIT_LEN, HALF, ROPE, HAS_NORM, BLOCK_M, BLOCK_B, BLOCK_W, DTYPE, FAST,
+                   Z_STAGES)),
         (_unpacker, (codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_HEADS, SPLIT_LEN, c_sb,
-                     c_sn, NBYTES, BITS, BLOCK_B, BYTES, DTYPE, FAST)),
+                     c_sn, NBYTES, BITS, BLOCK_B, BYTES, DTYPE, FAST, Z_STAGES)),
         (_keys, (alen_ptr, kb_ptr, kn_ptr, cos_a, sin_a, eps, kb_sh, z_bufs, k_bufs, r_bufs,
                  dec, z_ready, k_ready, k_free, KV_HEADS, SPLIT_LEN, HALF, ROPE, HAS_BIAS,
-                 HAS_NORM, DTYPE)),
+                 HAS_NORM, DTYPE, Z_STAGES)),
     ], [4, 4], [UNPACK_REGS, KEY_REGS])
 
 
@@ -419,6 +460,7 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
                   DTYPE=_GL[p.query.dtype], BLOCK_M=16, BLOCK_B=block_b,
                   BLOCK_W=block_b * (8 // bits),
                   BYTES=byte_layout(block_b, vec), FAST=bits == 4 and vec >= 4 and block_b >= 64,
+                  Z_STAGES=_fsq_plan.WS_CODE_STAGES,
                   UNPACK_REGS=regs[1], KEY_REGS=regs[2])
     return args, consts, {"num_warps": 4, "maxnreg": regs[0]}
 
