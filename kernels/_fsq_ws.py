@@ -1,23 +1,27 @@
 """The FSQ split kernel, warp-specialized for Hopper (Gluon): three 4-warp partitions hand
 blocks of ``BLOCK_N`` positions to each other through shared memory.
 
-Same work and scratch as ``_fsq._split_kernel`` (the merge kernel is shared), arranged so
-the unpack of block ``i + 2``, the keys of block ``i + 1`` and the scores of block ``i`` run
-at the same time on different warps:
+Same scratch as ``_fsq._split_kernel`` (the merge kernel is shared), arranged so the unpack
+of block ``i + 2``, the keys of block ``i + 1`` and the scores of block ``i`` run at the same
+time on different warps:
 
 - *unpack* (``_unpacker``): a block's packed rows -> ``(BLOCK_N, BLOCK_W)`` codes in the
-  decoder's dtype (exact: levels <= 256) in a ring of ``STAGES`` buffers;
-- *keys* (``_keys``): the two key-half products on warp-group MMA against the decoder halves
-  (in shared memory for the whole program), bias, RMSNorm and RoPE in float32 (the angles of
-  offsets ``0 .. BLOCK_N - 1`` from shared memory, the block's base angle from the exact
-  tables, combined by the angle-sum formula), the keys rounded to the query's dtype into
-  shared memory;
-- *scores* (``_scores``, the kernel's own warps): ``keys @ queryᵀ`` with positions as the MMA
-  rows (M = 64), the online softmax over positions, ``acc += codesᵀ @ weights``.
+  decoder's dtype (exact: levels <= 256) in a ring of ``Z_STAGES`` buffers; 16-level codes
+  in rows of whole 4-byte words by bit operations (``_nibbles``), even coordinates in the
+  tile's first half, odd ones in the second (``_code_of``);
+- *keys* (``_keys``): one warp-group MMA per block against the decoder (in shared memory for
+  the whole program, head dims interleaved so RoPE's pairs sit in one thread), bias, the
+  RMSNorm weight and RoPE by the angle of each position's offset in its block (held in
+  registers), the keys rounded to the query's dtype into shared memory and the rows' RMSNorm
+  scales beside them;
+- *scores* (``_scores``, the kernel's own warps): the query turned back by the block's base
+  angle (``q . R(base + r) k = R(base)^T q . R(r) k``), ``keys @ queryᵀ`` with positions as
+  the MMA rows (M = 64), times the norm scales, the online softmax over positions,
+  ``acc += codesᵀ @ weights``.
 
 Every buffer has a ready and a free mbarrier. Hopper only (warp-group MMA, ``setmaxnreg``);
 ``_fsq_plan.ws_limit`` says which problems it runs. The Triton interpreter cannot run Gluon,
-so this kernel is checked on the GPU only.
+so this kernel is checked on the GPU only (and compiled for sm_90 in CI).
 """
 
 from __future__ import annotations
