@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import h5py
 
@@ -61,7 +61,9 @@ __all__ = ["DURABILITY", "LIBVER", "MODES", "Pending", "Session"]
 MODES = ("r", "r+", "a", "w", "w-", "x")
 DURABILITY = ("process", "fsync")
 LIBVER = ("v110", "v110")  # the oldest format with SWMR: readable by HDF5 >= 1.10
+_T = TypeVar("_T")
 _FLAG_ERRORS = ("already open for write", "not already open for SWMR")
+_STRUCTURE_RETRY_DELAYS = (0.02, 0.1, 0.3, 0.6, 0.8)  # a reader's pauses for a writer's change
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,73 @@ class Session:
         :meth:`flush` commits it through ``stage()`` while ``has_pending()``."""
         self._members[group_path] = _Member(rebind, detach, has_pending, stage)
         rebind(self.h5[group_path])
+
+    def read_structure(self, read: Callable[[], _T], what: str) -> _T:
+        """``read()``, a read of the file's structure (the streams' names, a stream's group),
+        done by a local reader as often as it takes a live writer to finish changing that
+        structure: a writer creating streams or attributes leaves SWMR mode for a moment, and a
+        reader that looks then gets HDF5 errors (a bad metadata checksum, a missing chunk), not
+        damage. Each failure while the writer lives reopens the file and tries again (5 tries
+        over ~1.8 s), then ArchiveLockedError. A writer's own reads, a URL's, and any read
+        with no live writer beside it raise the first error."""
+        self.check_open()
+        last: Exception | None = None
+        for delay in _STRUCTURE_RETRY_DELAYS:
+            if self._file is not None:
+                try:
+                    return read()
+                except (OSError, RuntimeError, KeyError) as exc:
+                    if not self.is_local_reader or not _writer_alive(self.path):
+                        raise
+                    last = exc
+            time.sleep(delay)
+            try:
+                self._reopen_reader()
+            except ArchiveLockedError as exc:
+                last = exc
+        raise ArchiveLockedError(
+            f"{self.path!r}: {what} failed while its writer kept changing the file's "
+            f"structure ({last}); open it again in a moment") from last
+
+    @property
+    def is_local_reader(self) -> bool:
+        """Open read-only on a local file (an SWMR reader, or a view of a writer's leftovers)."""
+        return not self.writable and self.remote is None
+
+    def reopen_reader(self) -> None:
+        """A local reader's file closed and opened again, so it shows the structure a writer
+        has made since (HDF5 keeps a reader's view of the objects until then): streams
+        created meanwhile appear, deleted ones are detached, every other stream gets its
+        group again. Waits out a writer's change of structure like :meth:`read_structure`;
+        if the file cannot be opened again the archive is left closed (ArchiveLockedError)."""
+        self.check_open()
+        last: Exception | None = None
+        for delay in (0.0, *_STRUCTURE_RETRY_DELAYS):
+            time.sleep(delay)
+            try:
+                self._reopen_reader()
+                return
+            except ArchiveLockedError as exc:
+                last = exc
+        raise ArchiveLockedError(
+            f"{self.path!r} could not be opened again while its writer kept changing the "
+            f"file's structure ({last}); the reader is closed: open it again in a moment"
+        ) from last
+
+    def is_bound(self, group_path: str) -> bool:
+        return group_path in self._members
+
+    def _reopen_reader(self) -> None:
+        """Close and reopen the reader's file; ``_file`` stays None if the open fails."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        f = _open_reader(self.path)
+        for group_path in [g for g in self._members if g not in f]:
+            self._members.pop(group_path).detach()  # the writer deleted the stream
+        for group_path, member in self._members.items():
+            member.rebind(f[group_path])
+        self._file = f
 
     def unbind(self, group_path: str) -> None:
         """Detach and forget the stream in ``group_path`` (it was deleted)."""

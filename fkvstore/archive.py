@@ -232,12 +232,14 @@ class Archive:
         return self[name]
 
     def __getitem__(self, name: str) -> Stream:
-        f = self._session.h5
+        self._session.check_open()
         s = self._streams.get(name)
         if s is not None:
             return s
         try:
-            group = layout.child(f[layout.STREAMS], name) if isinstance(name, str) else None
+            group = self._session.read_structure(
+                lambda: (layout.child(self._session.h5[layout.STREAMS], name)
+                         if isinstance(name, str) else None), f"looking up stream {name!r}")
         except FkvError:
             raise
         except (OSError, RuntimeError, KeyError) as exc:
@@ -252,11 +254,15 @@ class Archive:
                 f"no stream {name!r} in {self.path!r} (streams: {known}); create it with "
                 "create_stream()"
             )
-        try:
-            info = layout.read_stream_info(group)
+
+        def make() -> Stream:
+            info = layout.read_stream_info(self._session.h5[layout.stream_path(name)])
             cls = TextStream if info.kind == "text" else Stream
-            s = cls(self._session, name, layout.stream_path(name), info,
-                    cache_bytes=self.cache_bytes, spill_symbols=self.spill_symbols)
+            return cls(self._session, name, layout.stream_path(name), info,
+                       cache_bytes=self.cache_bytes, spill_symbols=self.spill_symbols)
+
+        try:
+            s = self._session.read_structure(make, f"opening stream {name!r}")
         except FkvError:
             raise
         except (OSError, RuntimeError, KeyError) as exc:
@@ -267,13 +273,17 @@ class Archive:
         return s
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and layout.has_link(self._session.h5[layout.STREAMS], name)
+        return isinstance(name, str) and self._session.read_structure(
+            lambda: layout.has_link(self._session.h5[layout.STREAMS], name),
+            f"looking up stream {name!r}")
 
     def __iter__(self) -> Iterator[str]:
-        return iter(list(self._session.h5[layout.STREAMS].keys()))
+        return iter(self._session.read_structure(
+            lambda: list(self._session.h5[layout.STREAMS].keys()), "listing the streams"))
 
     def __len__(self) -> int:
-        return len(self._session.h5[layout.STREAMS])
+        return self._session.read_structure(
+            lambda: len(self._session.h5[layout.STREAMS]), "counting the streams")
 
     def keys(self) -> list[str]:
         """Names of the streams."""
@@ -425,8 +435,15 @@ class Archive:
             )
 
     def refresh(self) -> None:
-        """Reader side: see what the writer has committed since this archive was opened."""
+        """Reader side: see what the writer has committed since this archive was opened or
+        last refreshed: new rows, and on a local file new streams and arrays too (the file is
+        opened again: ~1.3 ms plus ~0.5 ms per open stream). Streams the writer deleted are
+        dropped; a Stream object of one raises ArchiveClosedError."""
         self._session.check_open()
+        if self._session.is_local_reader:
+            self._session.reopen_reader()
+            self._streams = {name: s for name, s in self._streams.items()
+                             if self._session.is_bound(layout.stream_path(name))}
         for s in self._streams.values():
             s.refresh()
 

@@ -17,7 +17,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import fkvstore
 from fkvstore import cli
-from fkvstore.errors import ChecksumError, PositionError
+from fkvstore.errors import (
+    ArchiveClosedError,
+    ArchiveFormatError,
+    ArchiveLockedError,
+    ChecksumError,
+    PositionError,
+)
 
 HERE = Path(__file__).parent
 GOLDEN = HERE.parent / "golden"
@@ -402,3 +408,103 @@ TestArchiveModel = ArchiveModel.TestCase
 TestArchiveModel.settings = __import__("hypothesis").settings(
     max_examples=200 if os.environ.get("FKV_DEEP") else 25, stateful_step_count=30, deadline=None
 )
+
+
+# -- readers across a writer's changes of structure --------------------------------------------
+_HOLD_OPEN = (
+    "import sys, fkvstore\n"
+    "ar = fkvstore.open(sys.argv[1], 'a')\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.readline()\n"
+    "ar.close()\n"
+)
+
+
+def test_reader_refresh_sees_streams_created_and_deleted_since_it_opened(tmp_path):
+    path = tmp_path / "a.h5"
+    with fkvstore.open(path, "w") as ar:
+        ar.create_stream("kv", 16, width=4).extend(np.zeros((10, 4), int))
+        ar.create_stream("old", 16).extend([1, 2, 3])
+    code = (
+        "import sys, numpy as np, fkvstore\n"
+        "with fkvstore.open(sys.argv[1], 'a') as ar:\n"
+        "    ar.create_stream('new', 16).extend([5, 6, 7, 8])\n"
+        "    ar['kv'].extend(np.ones((5, 4), int))\n"
+        "    del ar['old']\n"
+    )
+    with fkvstore.open(path, "r") as ar:
+        old = ar["old"]
+        assert ar.keys() == ["kv", "old"]
+        subprocess.run([sys.executable, "-c", code, str(path)], env=_env(), check=True)
+        ar.refresh()
+        assert sorted(ar.keys()) == ["kv", "new"] and "new" in ar and len(ar) == 2
+        assert ar["new"][:].tolist() == [5, 6, 7, 8]
+        assert len(ar["kv"]) == 15 and ar["kv"][14].tolist() == [1, 1, 1, 1]
+        with pytest.raises(ArchiveClosedError):
+            old[0]
+
+
+def test_reader_retries_a_structure_read_while_a_writer_lives(tmp_path, monkeypatch):
+    """HDF5 errors on the file's structure are a writer's change in progress while a writer
+    lives (the reader reopens and reads again), damage when none does."""
+    path = tmp_path / "a.h5"
+    with fkvstore.open(path, "w") as ar:
+        ar.create_stream("kv", 16).extend([1, 2, 3])
+    real_child = fkvstore.layout.child
+    failures = []
+
+    def flaky_child(group, name):
+        if name == "kv" and not failures:
+            failures.append(name)
+            raise RuntimeError("incorrect metadata checksum after all read attempts")
+        return real_child(group, name)
+
+    monkeypatch.setattr(fkvstore.layout, "child", flaky_child)
+    with fkvstore.open(path, "r") as ar:  # no writer: the error is damage
+        with pytest.raises(ArchiveFormatError, match="metadata checksum"):
+            ar["kv"]
+    failures.clear()
+    writer = subprocess.Popen([sys.executable, "-c", _HOLD_OPEN, str(path)], env=_env(),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        with fkvstore.open(path, "r") as ar:
+            assert ar["kv"][:].tolist() == [1, 2, 3] and failures == ["kv"]
+    finally:
+        writer.communicate("\n")
+    assert writer.returncode == 0
+
+
+def test_readers_beside_a_writer_creating_streams_see_no_false_damage(tmp_path):
+    """A writer process creates (and deletes) streams in a loop; readers opened meanwhile list
+    and read them. Before readers retried structure reads, some of them failed with HDF5's
+    metadata-checksum errors or were told the file was damaged (timing-dependent)."""
+    path = tmp_path / "a.h5"
+    with fkvstore.open(path, "w") as ar:
+        ar.create_stream("s0", 251).extend(np.arange(20) % 251)
+    code = (
+        "import sys, fkvstore\n"
+        "print('ready', flush=True)\n"
+        "for k in range(1, 120):\n"
+        "    with fkvstore.open(sys.argv[1], 'a') as ar:\n"
+        "        ar.create_stream(f's{k}', 251).extend([j % 251 for j in range(k, k + 20)])\n"
+        "        if k % 10 == 0:\n"
+        "            del ar[f's{k - 5}']\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path)], env=_env(),
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    reads = locked = 0
+    while proc.poll() is None or reads == 0:
+        try:
+            ar = fkvstore.open(path, "r")
+        except ArchiveLockedError:  # opened mid-change: documented, "try again in a moment"
+            locked += 1
+            continue
+        with ar:
+            for name in ar.keys()[-3:]:
+                k = int(name[1:])  # (created empty, then its rows in one commit)
+                assert ar[name][:].tolist() in ([], [j % 251 for j in range(k, k + 20)])
+        reads += 1
+    assert proc.wait() == 0
+    assert reads > 1
