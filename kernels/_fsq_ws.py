@@ -328,7 +328,9 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
     qa, qb = _query_halves(q_ptr, q_sb, q_sh, b, kvh, GROUP, HALF, BLOCK_M)
     ql: gl.constexpr = qa.type.layout
     if ROPE == 1:  # the first block's base angle (each block loads the next one's)
-        turn_c, turn_s = _base_angle(sink + start, cos_a, sin_a, cos_b, sin_b, HALF, ql)
+        # (clamped into the sequence: a split past its end has no angle in the tables)
+        turn_c, turn_s = _base_angle(sink + gl.minimum(start, gl.maximum(end - 1, 0)), cos_a,
+                                     sin_a, cos_b, sin_b, HALF, ql)
     else:
         turn_c = gl.zeros([HALF], gl.float32, gl.SliceLayout(0, ql))
         turn_s = turn_c
