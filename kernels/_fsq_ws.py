@@ -7,8 +7,9 @@ time on different warps:
 
 - *unpack* (``_unpacker``): a block's packed rows -> ``(BLOCK_N, BLOCK_W)`` codes in the
   decoder's dtype (exact: levels <= 256) in a ring of ``Z_STAGES`` buffers; 16-level codes
-  in rows of whole 4-byte words by bit operations (``_nibbles``), even coordinates in the
-  tile's first half, odd ones in the second (``_code_of``);
+  by bit operations (``_nibbles``), even coordinates in the tile's first half, odd ones in
+  the second (``_code_of``); rows that are not whole 4-byte words (97.5x: 42 bytes) read as
+  aligned words and funnel-shifted into place (``_word_bytes``);
 - *keys* (``_keys``): one warp-group MMA per block against the decoder (in shared memory for
   the whole program, head dims interleaved so RoPE's pairs sit in one thread), bias, the
   RMSNorm weight and RoPE by the angle of each position's offset in its block (held in
@@ -139,25 +140,38 @@ def _split_range(alen_ptr, KV_HEADS, SPLIT_LEN):
 @gluon.jit
 def _unpacker(codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_HEADS, SPLIT_LEN, c_sb, c_sn,
               NBYTES: gl.constexpr, BITS: gl.constexpr, BLOCK_B: gl.constexpr,
-              LAYOUT: gl.constexpr, DTYPE: gl.constexpr, FAST: gl.constexpr,
-              Z_STAGES: gl.constexpr, PREFETCH: gl.constexpr):
-    """Partition 1: packed rows -> codes in shared memory, a block ahead of the keys."""
-    layout: gl.constexpr = LAYOUT
+              LAYOUT: gl.constexpr, WORD_LAYOUT: gl.constexpr, DTYPE: gl.constexpr,
+              FAST: gl.constexpr, WORDS: gl.constexpr, Z_STAGES: gl.constexpr,
+              PREFETCH: gl.constexpr):
+    """Partition 1: packed rows -> codes in shared memory, a block ahead of the keys. With
+    ``WORDS`` (16-level rows that are not whole 4-byte words apart) a row's bytes are read
+    as aligned 4-byte words and shifted into place."""
     b, kvh, split, start, end = _split_range(alen_ptr, KV_HEADS, SPLIT_LEN)
+    if WORDS:
+        layout: gl.constexpr = WORD_LAYOUT
+        j = gl.arange(0, BLOCK_B // 4, gl.SliceLayout(0, layout))
+        row_base = codes_ptr.to(gl.pointer_type(gl.int32))
+        offs = b.to(gl.int64) * c_sb  # (the row bytes' offset from the words' start)
+    else:
+        layout: gl.constexpr = LAYOUT
+        j = gl.arange(0, BLOCK_B, gl.SliceLayout(0, layout))
+        row_base = codes_ptr + b.to(gl.int64) * c_sb
     rows0 = gl.arange(0, BLOCK_N, gl.SliceLayout(1, layout))
-    j = gl.arange(0, BLOCK_B, gl.SliceLayout(0, layout))
-    row_base = codes_ptr + b.to(gl.int64) * c_sb
-    offs = rows0[:, None] * c_sn + j[None, :]  # (within a block: int32)
+    if not WORDS:
+        offs = rows0[:, None] * c_sn + j[None, :]  # (within a block: int32)
     # with PREFETCH, the next block's rows are in flight while a block is unpacked and stored
     if PREFETCH:
-        after = _load_rows(row_base, offs, start, end, rows0, j, c_sn, NBYTES)
+        after = _load_rows(row_base, offs, start, end, rows0, j, c_sn, NBYTES, WORDS)
     i = 0
     for n0 in range(start, end, BLOCK_N):
         if PREFETCH:
             byte = after
-            after = _load_rows(row_base, offs, n0 + BLOCK_N, end, rows0, j, c_sn, NBYTES)
+            after = _load_rows(row_base, offs, n0 + BLOCK_N, end, rows0, j, c_sn, NBYTES,
+                               WORDS)
         else:
-            byte = _load_rows(row_base, offs, n0, end, rows0, j, c_sn, NBYTES)
+            byte = _load_rows(row_base, offs, n0, end, rows0, j, c_sn, NBYTES, WORDS)
+        if WORDS:
+            byte = gl.convert_layout(_word_bytes(byte, BLOCK_B), LAYOUT)
         slot = i % Z_STAGES
         free_phase = ((i // Z_STAGES) & 1) ^ 1
         if FAST:
@@ -175,10 +189,40 @@ def _unpacker(codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_HEADS, SPLIT_LEN,
 
 
 @gluon.jit
-def _load_rows(row_base, offs, n0, end, rows0, j, c_sn, NBYTES: gl.constexpr):
-    """The packed rows ``n0 + rows0`` (zero past ``end`` and past ``NBYTES``)."""
-    ok = (n0 + rows0 < end)[:, None] & (j < NBYTES)[None, :]
-    return gl.load(row_base + n0.to(gl.int64) * c_sn + offs, mask=ok, other=0)
+def _load_rows(row_base, offs, n0, end, rows0, j, c_sn, NBYTES: gl.constexpr,
+               WORDS: gl.constexpr):
+    """The packed rows ``n0 + rows0`` (zero past ``end`` and past ``NBYTES``); with
+    ``WORDS`` as ``(word, next word, shift)``: bytes ``4j .. 4j + 3`` of a row are
+    ``(word, next word) >> shift``, ``row_base`` the 4-byte words, ``offs`` the rows' byte
+    offset from them."""
+    live = (n0 + rows0 < end)[:, None]
+    if WORDS:
+        o = offs + (n0 + rows0).to(gl.int64) * c_sn  # each row's first byte
+        word = (o >> 2)[:, None] + j[None, :]
+        stop = (o + NBYTES)[:, None]
+        shift = ((o & 3) * 8).to(gl.int32)[:, None]
+        lo = gl.load(row_base + word, mask=live & (word * 4 < stop), other=0)
+        hi = gl.load(row_base + word + 1, mask=live & (word * 4 + 4 < stop) & (shift != 0),
+                     other=0)
+        return lo, hi, gl.broadcast(shift, lo)[0]
+    else:
+        ok = live & (j < NBYTES)[None, :]
+        return gl.load(row_base + n0.to(gl.int64) * c_sn + offs, mask=ok, other=0)
+
+
+@gluon.jit
+def _word_bytes(words, BLOCK_B: gl.constexpr):
+    """``(BLOCK_N, BLOCK_B)`` bytes of the ``(word, next word, shift)`` triples
+    ``_load_rows`` gives (a funnel shift, then the word's bytes in order)."""
+    lo, hi, shift = words
+    w = gl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r",
+                                  [lo, hi, shift], dtype=gl.int32, is_pure=True, pack=1)
+    b0 = (w & 255).to(gl.uint8)
+    b1 = ((w >> 8) & 255).to(gl.uint8)
+    b2 = ((w >> 16) & 255).to(gl.uint8)
+    b3 = ((w >> 24) & 255).to(gl.uint8)
+    # (join makes a new last axis: this order gives b0 b1 b2 b3 once flattened)
+    return gl.reshape(gl.join(gl.join(b0, b2), gl.join(b1, b3)), [BLOCK_N, BLOCK_B])
 
 
 @gluon.jit
@@ -392,7 +436,8 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                      NBYTES: gl.constexpr, BITS: gl.constexpr, ROPE: gl.constexpr,
                      HAS_BIAS: gl.constexpr, HAS_NORM: gl.constexpr, DTYPE: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr, BLOCK_W: gl.constexpr,
-                     BYTES: gl.constexpr, FAST: gl.constexpr, Z_STAGES: gl.constexpr,
+                     BYTES: gl.constexpr, WORD_BYTES: gl.constexpr, FAST: gl.constexpr,
+                     WORDS: gl.constexpr, Z_STAGES: gl.constexpr,
                      PREFETCH: gl.constexpr, UNPACK_REGS: gl.constexpr, KEY_REGS: gl.constexpr):
     pid = gl.program_id(1)
     kvh = pid % KV_HEADS
@@ -436,8 +481,8 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                    WIDTH, SPLIT_LEN, HALF, ROPE, HAS_NORM, BLOCK_M, BLOCK_B, BLOCK_W, DTYPE, FAST,
                    Z_STAGES)),
         (_unpacker, (codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_HEADS, SPLIT_LEN, c_sb,
-                     c_sn, NBYTES, BITS, BLOCK_B, BYTES, DTYPE, FAST, Z_STAGES,
-                     PREFETCH)),
+                     c_sn, NBYTES, BITS, BLOCK_B, BYTES, WORD_BYTES, DTYPE, FAST, WORDS,
+                     Z_STAGES, PREFETCH)),
         (_keys, (alen_ptr, kb_ptr, kn_ptr, cos_a, sin_a, eps, kb_sh, z_bufs, k_bufs, r_bufs,
                  dec, z_ready, k_ready, k_free, KV_HEADS, SPLIT_LEN, HALF, ROPE, HAS_BIAS,
                  HAS_NORM, DTYPE, Z_STAGES)),
@@ -468,7 +513,10 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
     nbytes = codes.shape[2]
     block_b = ws_block_bytes(width, bits)
     vec = byte_vector(nbytes, codes.stride(1), 8)  # 8 codes per tile part: 16 bytes
-    fast = bits == 4 and vec >= 4 and block_b >= 64
+    # 16-level codes go through the bit-operation unpack: rows of whole 4-byte words loaded
+    # as they are, other rows as aligned words shifted into place (codes starting at a word)
+    fast = bits == 4 and block_b >= 64 and (vec >= 4 or codes.data_ptr() % 4 == 0)
+    words = fast and vec < 4
     args = [p.query, codes, p.archived_lengths, p.sink_lengths, kd, kb, kn,
             cos_a, sin_a, cos_b, sin_b, acc, ml, p.scale * LOG2E, p.eps,
             p.query.stride(0), p.query.stride(1), codes.stride(0), codes.stride(1),
@@ -478,7 +526,8 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
                   HAS_BIAS=p.key_bias is not None, HAS_NORM=p.k_norm is not None,
                   DTYPE=_GL[p.query.dtype], BLOCK_M=16, BLOCK_B=block_b,
                   BLOCK_W=block_b * (8 // bits),
-                  BYTES=byte_layout(block_b, vec), FAST=fast,
+                  BYTES=byte_layout(block_b, 8 if words else vec),
+                  WORD_BYTES=byte_layout(block_b // 4, 2), FAST=fast, WORDS=words,
                   Z_STAGES=_fsq_plan.WS_CODE_STAGES,
                   # (H200, b8 128K: prefetching 8% faster for GPT-2, 6% slower at Qwen3 32x)
                   PREFETCH=fast and kind == 0,

@@ -60,14 +60,18 @@ def _compile(case):
     assert list(signature) == params  # every parameter has an argument or a constexpr
     source = GluonASTSource(fn=fn, signature=signature,
                             constexprs={(params.index(k),): v for k, v in consts.items()})
+    # 4-bit codes take the bit-operation unpack; rows that are not whole 4-byte words are
+    # read as aligned words and shifted (when the codes start at a word)
+    words = problem.codes.shape[2] % 4 != 0
     assert consts["FAST"] == (uniform_bits(problem.levels) == 4 and consts["BLOCK_B"] >= 64
-                              and problem.codes.shape[2] % 4 == 0)
+                              and (not words or problem.codes.data_ptr() % 4 == 0))
+    assert consts["WORDS"] == (consts["FAST"] and words)
     return problem, triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 @pytest.mark.parametrize("kwargs", [
     dict(QWEN3, width=256, dtype=torch.bfloat16),  # Qwen3-8B at 32x: the most shared memory
-    dict(QWEN3, width=84, dtype=torch.float16),  # 97.5x: 42-byte rows, 2-byte loads
+    dict(QWEN3, width=84, dtype=torch.float16),  # 97.5x: 42-byte rows, shifted words
     dict(q_heads=12, kv_heads=12, head_dim=64, width=192, rope=None, k_norm=False,
          dtype=torch.bfloat16),  # GPT-2: no RoPE, no norm
     dict(q_heads=32, kv_heads=2, head_dim=32, width=40, levels=256, bias=False,
@@ -87,7 +91,19 @@ def test_warp_specialized_kernel_compiles_for_hopper(kwargs):
     assert "wgmma.mma_async" in ptx and "mbarrier.try_wait" in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert kernel.asm["cubin"]  # ptxas accepted it
-    # 4-bit codes in rows of whole 8-byte words take the bit-operation unpack
-    fast = (uniform_bits(problem.levels) == 4 and problem.codes.shape[2] % 4 == 0
-            and ws_block_bytes(problem.width, 4) >= 64)
+    fast = (uniform_bits(problem.levels) == 4 and ws_block_bytes(problem.width, 4) >= 64
+            and (problem.codes.shape[2] % 4 == 0 or problem.codes.data_ptr() % 4 == 0))
     assert ("0x000F000F" in ptx) == fast
+    assert ("shf.r.clamp" in ptx) == (fast and problem.codes.shape[2] % 4 != 0)
+
+
+def test_rows_off_word_boundaries_take_the_general_unpack():
+    """42-byte rows whose codes start 2 bytes past a word cannot be read as aligned words:
+    the launcher picks the byte-wise unpack, which compiles."""
+    case = make_fsq_case(batch=2, archived=300, width=84, dtype=torch.bfloat16, **QWEN3)
+    codes = case["codes"]
+    shifted = torch.zeros(codes.numel() + 2, dtype=torch.uint8)[2:].view(codes.shape)
+    shifted.copy_(codes)
+    problem, kernel = _compile(dict(case, codes=shifted))
+    assert problem.codes.data_ptr() % 4 == 2
+    assert "0x000F000F" not in kernel.asm["ptx"] and "shf.r.clamp" not in kernel.asm["ptx"]
