@@ -46,6 +46,19 @@ SPLIT_MARGIN = 0.03  # modelled gain more splits must bring (see best_split_len)
 def level_list(levels, width: int) -> tuple[int, ...]:
     """Per-coordinate levels of a ``width``-coordinate code from an int (uniform) or a
     sequence of ``width`` ints; each level >= 2. ValueError otherwise."""
+    # every decode call passes the same levels: plain ints are checked once (a cache key
+    # would not tell 2.0 or True from 2)
+    if type(levels) is int or (type(levels) is tuple and all(type(v) is int for v in levels)):
+        return _cached_levels(levels, width)
+    return _level_list(levels, width)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_levels(levels: int | tuple, width: int) -> tuple[int, ...]:
+    return _level_list(levels, width)
+
+
+def _level_list(levels, width: int) -> tuple[int, ...]:
     if isinstance(levels, bool):
         raise ValueError(f"levels must be an int >= 2 or a sequence of them, got {levels!r}")
     if isinstance(levels, numbers.Integral):
@@ -67,11 +80,13 @@ def level_list(levels, width: int) -> tuple[int, ...]:
     return values
 
 
+@functools.lru_cache(maxsize=64)
 def level_bits(levels: tuple[int, ...]) -> tuple[int, ...]:
-    """Bits of each coordinate: ``ceil(log2 L)``."""
+    """Bits of each coordinate: ``ceil(log2 L)``. Cached: every decode call asks."""
     return tuple((v - 1).bit_length() for v in levels)
 
 
+@functools.lru_cache(maxsize=64)
 def packed_bytes(levels: tuple[int, ...]) -> int:
     """Bytes of one packed code row."""
     return math.ceil(sum(level_bits(levels)) / 8)

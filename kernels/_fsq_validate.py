@@ -6,6 +6,7 @@ sink / recent parts, lengths and scale are checked as for the RVQ kernel (``_val
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -99,11 +100,15 @@ def _positions(positions, batch: int, seq: int, limit: int, device, check: bool)
     return positions.contiguous()
 
 
+@functools.lru_cache(maxsize=64)
+def _powers_of_two(levels: tuple[int, ...]) -> bool:
+    return all(v == 1 << b for v, b in zip(levels, level_bits(levels), strict=True))
+
+
 def check_fsq_codes(codes: torch.Tensor, levels: tuple[int, ...]) -> None:
     """ValueError unless every packed coordinate is below its level (only levels that are not
     powers of two can overflow; one read-back then)."""
-    powers = all(v == 1 << b for v, b in zip(levels, level_bits(levels), strict=True))
-    if powers or not codes.numel():
+    if _powers_of_two(levels) or not codes.numel():
         return
     unpacked = fsq_unpack(codes, levels, len(levels))
     over = unpacked >= torch.tensor(levels, device=codes.device)

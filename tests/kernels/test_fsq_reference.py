@@ -99,6 +99,12 @@ def test_arguments_are_checked_and_named():
     _raises("codes must have dtype", codes=case["codes"].to(torch.int16))
     _raises("codes has shape .*packed bytes", codes=case["codes"][..., :-1])
     _raises("levels has 3 entries", levels=[16, 16, 16])
+    # levels are checked once per value and then cached: values equal to a cached tuple
+    # (a float, a bool) are still refused
+    width = case["key_decoder"].shape[2]
+    fsq_decode_attention(**dict(case, levels=(16,) * width))
+    _raises("levels must hold ints", levels=(16.0,) + (16,) * (width - 1))
+    _raises("levels must hold ints", levels=(True,) + (16,) * (width - 1))
     _raises("value_decoder has shape", value_decoder=case["value_decoder"][..., :-1])
     _raises("key_decoder has shape", key_decoder=kd[:, :-1])
     _raises("not a multiple", query=q[:, :3])
