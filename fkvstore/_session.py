@@ -178,8 +178,9 @@ class Session:
         """``read()``, a read of the file's structure (the streams' names, a stream's group),
         done by a local reader as often as it takes a live writer to finish changing that
         structure: a writer creating streams or attributes leaves SWMR mode for a moment, and a
-        reader that looks then gets HDF5 errors (a bad metadata checksum, a missing chunk), not
-        damage. Each failure while the writer lives reopens the file and tries again (5 tries
+        reader that looks then gets HDF5 errors (a bad metadata checksum, a missing chunk, or
+        the damage ``layout`` reports for them), not damage. Each such failure while the
+        writer lives reopens the file and tries again (5 tries
         over ~1.8 s), then ArchiveLockedError. A writer's own reads, a URL's, and any read
         with no live writer beside it raise the first error."""
         self.check_open()
@@ -188,8 +189,9 @@ class Session:
             if self._file is not None:
                 try:
                     return read()
-                except (OSError, RuntimeError, KeyError) as exc:
-                    if not self.is_local_reader or not _writer_alive(self.path):
+                except (OSError, RuntimeError, KeyError, ArchiveFormatError) as exc:
+                    if (not self.is_local_reader or not _hdf5_error(exc)
+                            or not _writer_alive(self.path)):
                         raise
                     last = exc
             time.sleep(delay)
@@ -557,6 +559,13 @@ def _open_reader(path: str) -> h5py.File:
         f.close()
         raise
     return f
+
+
+def _hdf5_error(exc: BaseException) -> bool:
+    """An error HDF5 raised reading the file (as it is, or as the damage it was reported as),
+    not one of fkvstore's own findings."""
+    cause = exc.__cause__ if isinstance(exc, ArchiveFormatError) else exc
+    return isinstance(cause, (OSError, RuntimeError, KeyError))
 
 
 def _writer_alive(path: str) -> bool:
