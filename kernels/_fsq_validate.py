@@ -168,7 +168,10 @@ def validate_fsq_args(query, codes, levels, key_decoder, value_decoder, *, key_b
         sink_lengths, archived_lengths, recent_lengths, check_lengths)
     if known is not None and positions is None and rope is not None:
         sink_host, archived_host = known
-        top = int((torch.as_tensor(sink_host) + torch.as_tensor(archived_host)).max())
+        if isinstance(sink_host, int) and isinstance(archived_host, int):  # (the defaults)
+            top = sink_host + archived_host
+        else:
+            top = int((torch.as_tensor(sink_host) + torch.as_tensor(archived_host)).max())
         if top > limit:
             raise ValueError(f"default positions (sink length + index) reach {top - 1}; "
                              f"the RoPE tables cover [0, {limit})")

@@ -119,6 +119,8 @@ def test_arguments_are_checked_and_named():
     _raises("RoPE tables' rows", positions=torch.full((2, 40), 100),
             rope=(torch.ones(100, 32), torch.ones(100, 32)))
     _raises("default positions", rope=(torch.ones(30, 32), torch.ones(30, 32)))
+    _raises("default positions", rope=(torch.ones(30, 32), torch.ones(30, 32)),
+            archived_lengths=torch.tensor([5, 40]))  # (lengths known on the host as a tensor)
     _raises("archived_lengths must lie", archived_lengths=[41, 2])
     _raises("backend must be", backend="cuda")
     _raises("num_splits", num_splits=0)
