@@ -324,7 +324,7 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
                          f"got {block_n}")
     check_num_splits(num_splits)
     batch, q_heads, head_dim = p.query.shape
-    split_len, splits = splits_for(p, num_splits, block_n)
+    split_len, splits = splits_for(p, num_splits, None if ws else block_n)
     device = p.query.device
     acc = torch.empty(batch, q_heads, splits, pow2(p.width, 16), dtype=torch.float32,
                       device=device)

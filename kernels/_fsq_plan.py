@@ -208,14 +208,43 @@ WS_SHARED_LIMIT = 227 * 1024  # shared memory one block may use on sm_90
 WS_SHARED_SLACK = 4096  # the compiler's own shared memory beside the buffers (barriers)
 
 
-def ws_shared_bytes(width: int, head_dim: int, bits: int, norm: bool = True) -> int:
-    """Shared memory of the warp-specialized kernel's buffers, bytes: the key decoder,
-    ``WS_CODE_STAGES`` code buffers, two key buffers (and with ``norm`` their RMSNorm
-    scales), the query and the weights. ``block_w`` as the launcher pads it."""
+def ws_shared_bytes(width: int, head_dim: int, bits: int, norm: bool = True, heads: int = 1,
+                    code_stages: int = WS_CODE_STAGES, bias: bool = True) -> int:
+    """Shared memory of the warp-specialized kernel's buffers, bytes: the key decoders (and
+    with ``bias`` the biases) of ``heads`` kv heads, ``code_stages`` code buffers, two key
+    buffers (and with ``norm`` their RMSNorm scales), the query and the weights.
+    ``block_w`` as the launcher pads it."""
     block_w = ws_block_bytes(width, bits) * (8 // bits)
-    return (2 * block_w * head_dim + WS_CODE_STAGES * 2 * WS_BLOCK_N * block_w
+    return (heads * 2 * block_w * head_dim + code_stages * 2 * WS_BLOCK_N * block_w
             + 2 * 2 * WS_BLOCK_N * head_dim + 2 * 16 * head_dim + 2 * WS_BLOCK_N * 16
-            + (2 * 4 * WS_BLOCK_N if norm else 0))
+            + (2 * 4 * WS_BLOCK_N if norm else 0) + (heads * 4 * head_dim if bias else 0))
+
+
+WS_MAX_HEADS = 4  # kv heads one program of the warp-specialized kernel takes at most
+# query heads one program scores at most (H200, CUDA graph, batch 1 to 32: Qwen3-8B at
+# 97.5x runs fastest with 2 kv heads = 8 query heads per program, 4 were 11% to 27% slower;
+# GPT-2 with 4 kv heads = 4 query heads)
+WS_MAX_COLUMNS = 8
+
+
+@functools.lru_cache(maxsize=256)
+def ws_heads(kv_heads: int, group: int, width: int, head_dim: int, bits: int,
+             norm: bool = True, bias: bool = True) -> tuple[int, int]:
+    """``(heads, code_stages)``: kv heads per program of the warp-specialized kernel and its
+    code buffers. The codes are shared by all kv heads, so a program that takes several
+    unpacks each block once for all of them and scores their query heads with one softmax;
+    the most heads, a power of two up to ``WS_MAX_HEADS`` dividing ``kv_heads`` with at most
+    ``WS_MAX_COLUMNS`` query heads in all, whose decoders fit in shared memory with three
+    code buffers, else two (one head: three)."""
+    heads = WS_MAX_HEADS
+    while heads > 1:
+        if kv_heads % heads == 0 and heads * group <= WS_MAX_COLUMNS:
+            for stages in (WS_CODE_STAGES, 2):
+                need = ws_shared_bytes(width, head_dim, bits, norm, heads, stages, bias)
+                if need + WS_SHARED_SLACK <= WS_SHARED_LIMIT:
+                    return heads, stages
+        heads //= 2
+    return 1, WS_CODE_STAGES
 
 
 def ws_block_bytes(width: int, bits: int) -> int:
@@ -286,28 +315,43 @@ def default_block_n(problem: FsqProblem) -> int:
     return WS_BLOCK_N if uses_ws(problem) else SPLIT_TUNING["block_n"]
 
 
-def choose_num_splits(problem: FsqProblem, block_n: int | None = None) -> int:
-    """Splits of the archive per (sequence, kv head) pair for ``block_n``-position steps
-    (``None``: the default, :func:`default_block_n`): :func:`split_count` over all pairs on
-    this device's multiprocessors."""
+def ws_program_heads(problem: FsqProblem) -> tuple[int, int]:
+    """:func:`ws_heads` of a problem: ``(kv heads per program, code buffers)``."""
+    q_heads, head_dim = problem.query.shape[1:]
+    return ws_heads(problem.kv_heads, q_heads // problem.kv_heads, problem.width, head_dim,
+                    uniform_bits(problem.levels), problem.k_norm is not None,
+                    problem.key_bias is not None)
+
+
+def choose_num_splits(problem: FsqProblem, block_n: int | None = None, heads: int = 1) -> int:
+    """Splits of the archive per (sequence, group of ``heads`` kv heads) for
+    ``block_n``-position steps (``None``: the default, :func:`default_block_n`):
+    :func:`split_count` over all such pairs on this device's multiprocessors."""
     capacity = problem.codes.shape[1]
     if capacity == 0:
         return 1
     block_n = default_block_n(problem) if block_n is None else block_n
-    return split_count(problem.query.shape[0] * problem.kv_heads, capacity,
+    return split_count(problem.query.shape[0] * problem.kv_heads // heads, capacity,
                        multiprocessors(problem.query.device), block_n)
 
 
 def split_count(pairs: int, capacity: int, multiprocessors: int, block_n: int) -> int:
-    """The split count for ``capacity`` positions: the split length :func:`best_split_len`
-    picks for the capacity rounded up to a 64th of its power of two (at least a block), so a
-    cache that grows a position per step finds the answer cached, and as many splits of that
-    length as ``capacity`` needs."""
+    """The split count for ``capacity`` positions: of the split lengths :func:`best_split_len`
+    picks for the capacity rounded down and up to a 64th of its power of two (at least a
+    block), so a cache that grows a position per step finds the answers cached, the one
+    whose splits (as many as ``capacity`` needs) the model finds faster at ``capacity``
+    itself (rounded up alone, a capacity just past a wave's worth of splits took 17% longer
+    in the model than its best)."""
     unit = max(block_n, 1 << max(0, capacity.bit_length() - 6))
-    bucket = -(-capacity // unit) * unit
-    split_len = best_split_len(pairs, bucket, multiprocessors, block_n, PROGRAM_COST,
-                               SPLIT_MARGIN, MIN_SPLIT_LEN)
-    return max(1, -(-capacity // split_len))
+    most = max(1, min(math.ceil(capacity / MIN_SPLIT_LEN), MAX_SPLITS))
+    counts = set()
+    for bucket in (capacity // unit * unit, -(-capacity // unit) * unit):
+        if bucket:
+            split_len = best_split_len(pairs, bucket, multiprocessors, block_n, PROGRAM_COST,
+                                       SPLIT_MARGIN, MIN_SPLIT_LEN)
+            counts.add(min(most, max(1, -(-capacity // split_len))))
+    return min(counts, key=lambda count: (split_cost(pairs, capacity, multiprocessors, block_n,
+                                                     count)[0], count))
 
 
 def split_cost(pairs: int, capacity: int, multiprocessors: int, block_n: int, wanted: int,
@@ -339,9 +383,15 @@ def best_split_len(pairs: int, capacity: int, multiprocessors: int, block_n: int
 
 
 def splits_for(problem: FsqProblem, num_splits: int | None, block_n: int | None = None):
-    """``(split length, splits)`` the kernel runs (``block_n`` None: the default)."""
-    block_n = default_block_n(problem) if block_n is None else block_n
-    wanted = choose_num_splits(problem, block_n) if num_splits is None else num_splits
+    """``(split length, splits)`` the kernel runs (``block_n`` None: the default kernel, whose
+    programs may take several kv heads each)."""
+    heads = 1
+    if block_n is None:
+        block_n = default_block_n(problem)
+        if uses_ws(problem):
+            heads = ws_program_heads(problem)[0]
+    wanted = (choose_num_splits(problem, block_n, heads) if num_splits is None
+              else num_splits)
     return split_layout(problem.codes.shape[1], wanted, block_n)
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -128,25 +129,28 @@ def _code_of(c, BLOCK_B: gl.constexpr, FAST: gl.constexpr):
 
 
 @gluon.jit
-def _split_range(alen_ptr, KV_HEADS, SPLIT_LEN):
-    """``(b, kv head, split, start, end)`` of this program."""
+def _split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS: gl.constexpr):
+    """``(b, first kv head, split, start, end)`` of this program, which takes ``HEADS`` kv
+    heads (``KV_GROUPS`` programs per sequence and split)."""
     split = gl.program_id(0)
     pid = gl.program_id(1)
-    b = pid // KV_HEADS
+    b = pid // KV_GROUPS
     start = split * SPLIT_LEN
-    return b, pid % KV_HEADS, split, start, gl.minimum(start + SPLIT_LEN, gl.load(alen_ptr + b))
+    return (b, (pid % KV_GROUPS) * HEADS, split, start,
+            gl.minimum(start + SPLIT_LEN, gl.load(alen_ptr + b)))
 
 
 @gluon.jit
-def _unpacker(codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_HEADS, SPLIT_LEN, c_sb, c_sn,
-              NBYTES: gl.constexpr, BITS: gl.constexpr, BLOCK_B: gl.constexpr,
+def _unpacker(codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_GROUPS, SPLIT_LEN, c_sb, c_sn,
+              HEADS: gl.constexpr, NBYTES: gl.constexpr, BITS: gl.constexpr, BLOCK_B: gl.constexpr,
               LAYOUT: gl.constexpr, WORD_LAYOUT: gl.constexpr, DTYPE: gl.constexpr,
               FAST: gl.constexpr, WORDS: gl.constexpr, Z_STAGES: gl.constexpr,
               PREFETCH: gl.constexpr):
     """Partition 1: packed rows -> codes in shared memory, a block ahead of the keys. With
     ``WORDS`` (16-level rows that are not whole 4-byte words apart) a row's bytes are read
-    as aligned 4-byte words and shifted into place."""
-    b, kvh, split, start, end = _split_range(alen_ptr, KV_HEADS, SPLIT_LEN)
+    as aligned 4-byte words and shifted into place. Once per block for all the program's kv
+    heads."""
+    b, kvh0, split, start, end = _split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS)
     if WORDS:
         layout: gl.constexpr = WORD_LAYOUT
         j = gl.arange(0, BLOCK_B // 4, gl.SliceLayout(0, layout))
@@ -243,23 +247,18 @@ def _interleave(a, b, ROWS: gl.constexpr, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _key_constants(kb_ptr, kn_ptr, cos_a, sin_a, kb_sh, kvh, layout: gl.constexpr,
-                   HALF: gl.constexpr, ROPE: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   HAS_NORM: gl.constexpr):
-    """What the keys need for the whole program: ``(bias_a, bias_b, w_a, w_b, cos, sin)``
-    for dims ``d`` and ``d + HALF`` (row vectors; registers are scarce) and the angles of
-    block offsets ``0 .. BLOCK_N - 1``, in ``layout``; unused ones are placeholders."""
+def _key_constants(kn_ptr, cos_a, sin_a, layout: gl.constexpr, HALF: gl.constexpr,
+                   ROPE: gl.constexpr, HAS_NORM: gl.constexpr):
+    """What the keys of every kv head need for the whole program: ``(w_a, w_b, cos, sin)``,
+    the RMSNorm weight for dims ``d`` and ``d + HALF`` (row vectors; registers are scarce)
+    and the angles of block offsets ``0 .. BLOCK_N - 1``, in ``layout``; unused ones are
+    placeholders."""
     dd = gl.arange(0, HALF, gl.SliceLayout(0, layout))
     zero = gl.zeros([HALF], gl.float32, gl.SliceLayout(0, layout))[None, :]
-    bias_a = zero
-    bias_b = zero
     w_a = zero
     w_b = zero
     cos = zero
     sin = zero
-    if HAS_BIAS:
-        bias_a = gl.load(kb_ptr + kvh * kb_sh + dd).to(gl.float32)[None, :]
-        bias_b = gl.load(kb_ptr + kvh * kb_sh + HALF + dd).to(gl.float32)[None, :]
     if HAS_NORM:
         w_a = gl.load(kn_ptr + dd).to(gl.float32)[None, :]
         w_b = gl.load(kn_ptr + HALF + dd).to(gl.float32)[None, :]
@@ -267,65 +266,79 @@ def _key_constants(kb_ptr, kn_ptr, cos_a, sin_a, kb_sh, kvh, layout: gl.constexp
         rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, layout))[:, None] * HALF + dd[None, :]
         cos = gl.load(cos_a + rows)
         sin = gl.load(sin_a + rows)
-    return bias_a, bias_b, w_a, w_b, cos, sin
+    return w_a, w_b, cos, sin
 
 
 @gluon.jit
-def _keys(alen_ptr, kb_ptr, kn_ptr, cos_a, sin_a, eps, kb_sh, z_bufs, k_bufs, r_bufs, dec,
-          z_ready, k_ready, k_free, KV_HEADS, SPLIT_LEN, HALF: gl.constexpr,
+def _key_bias(kb_s, h, layout: gl.constexpr):
+    """Head ``h``'s key bias for dims ``d`` and ``d + HALF``, row vectors in ``layout``."""
+    row: gl.constexpr = gl.SliceLayout(0, layout)
+    return kb_s.index(2 * h).load(row)[None, :], kb_s.index(2 * h + 1).load(row)[None, :]
+
+
+@gluon.jit
+def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s, z_ready,
+          k_ready, k_free, KV_GROUPS, SPLIT_LEN, HEADS: gl.constexpr, HALF: gl.constexpr,
           ROPE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_NORM: gl.constexpr,
           DTYPE: gl.constexpr, Z_STAGES: gl.constexpr):
-    """Partition 2: codes -> keys. One warp-group MMA gives a block's raw keys with the head
-    dims interleaved (``d``, ``d + HALF`` side by side, so RoPE's pairs sit in one thread);
-    then bias, the RMSNorm weight and RoPE by the block offset's angle (the same for every
-    block, so held in registers: the block's base angle turns the query instead). The
-    RMSNorm scale, one per row, goes to the scores partition, which applies it to the
-    scores. Keys rounded to the query's dtype into shared memory."""
+    """Partition 2: codes -> keys, a block's ``HEADS`` kv heads one after another. One
+    warp-group MMA gives a head's raw keys with the head dims interleaved (``d``, ``d + HALF``
+    side by side, so RoPE's pairs sit in one thread); then bias, the RMSNorm weight and RoPE
+    by the block offset's angle (the same for every block, so held in registers: the block's
+    base angle turns the query instead). The RMSNorm scale, one per row, goes to the scores
+    partition, which applies it to the scores. Keys rounded to the query's dtype into shared
+    memory."""
     kl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, 2 * HALF, 16])
-    b, kvh, split, start, end = _split_range(alen_ptr, KV_HEADS, SPLIT_LEN)
+    b, kvh0, split, start, end = _split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS)
     zero_k = gl.zeros([BLOCK_N, 2 * HALF], gl.float32, kl)
     proto, _ = _halves(zero_k, BLOCK_N, HALF)
     hl: gl.constexpr = proto.type.layout
-    bias_a, bias_b, w_a, w_b, cos, sin = _key_constants(kb_ptr, kn_ptr, cos_a, sin_a, kb_sh,
-                                                        kvh, hl, HALF, ROPE, HAS_BIAS,
-                                                        HAS_NORM)
-    i = 0
+    w_a, w_b, cos, sin = _key_constants(kn_ptr, cos_a, sin_a, hl, HALF, ROPE, HAS_NORM)
+    if HAS_BIAS and HEADS == 1:  # (more heads: each head's bias from shared memory)
+        bias_a, bias_b = _key_bias(kb_s, 0, hl)
+    blk = 0
+    i = 0  # (block, head) pairs done: the key buffers' ring counts those
     for _ in range(start, end, BLOCK_N):
-        zslot = i % Z_STAGES
-        mbarrier.wait(z_ready.index(zslot), (i // Z_STAGES) & 1)
-        k = warpgroup_mma(z_bufs.index(zslot), dec, zero_k, use_acc=False, is_async=True)
-        k = warpgroup_mma_wait(num_outstanding=0, deps=(k,))
-        ka, kb = _halves(k, BLOCK_N, HALF)
-        if HAS_BIAS:
-            ka = ka + bias_a
-            kb = kb + bias_b
-        if HAS_NORM:
-            ss = gl.sum(ka * ka, axis=1) + gl.sum(kb * kb, axis=1)
-            ka = ka * w_a
-            kb = kb * w_b
-        if ROPE == 1:
-            ka, kb = ka * cos - kb * sin, kb * cos + ka * sin
-        slot = i % STAGES
-        mbarrier.wait(k_free.index(slot), ((i // STAGES) & 1) ^ 1)
-        k_bufs.index(slot).store(_interleave(ka, kb, BLOCK_N, HALF).to(DTYPE))
-        if HAS_NORM:
-            r_bufs.index(slot).store(gl.rsqrt(ss / (2 * HALF) + eps))
-        fence_async_shared()
-        mbarrier.arrive(k_ready.index(slot), count=1)
-        i += 1
+        zslot = blk % Z_STAGES
+        mbarrier.wait(z_ready.index(zslot), (blk // Z_STAGES) & 1)
+        for h in gl.static_range(HEADS):
+            k = warpgroup_mma(z_bufs.index(zslot), dec.index(h), zero_k, use_acc=False,
+                              is_async=True)
+            k = warpgroup_mma_wait(num_outstanding=0, deps=(k,))
+            ka, kb = _halves(k, BLOCK_N, HALF)
+            if HAS_BIAS:
+                if HEADS > 1:
+                    bias_a, bias_b = _key_bias(kb_s, h, hl)
+                ka = ka + bias_a
+                kb = kb + bias_b
+            if HAS_NORM:
+                ss = gl.sum(ka * ka, axis=1) + gl.sum(kb * kb, axis=1)
+                ka = ka * w_a
+                kb = kb * w_b
+            if ROPE == 1:
+                ka, kb = ka * cos - kb * sin, kb * cos + ka * sin
+            slot = i % STAGES
+            mbarrier.wait(k_free.index(slot), ((i // STAGES) & 1) ^ 1)
+            k_bufs.index(slot).store(_interleave(ka, kb, BLOCK_N, HALF).to(DTYPE))
+            if HAS_NORM:
+                r_bufs.index(slot).store(gl.rsqrt(ss / (2 * HALF) + eps))
+            fence_async_shared()
+            mbarrier.arrive(k_ready.index(slot), count=1)
+            i += 1
+        blk += 1
 
 
 @gluon.jit
-def _query_halves(q_ptr, q_sb, q_sh, b, kvh, GROUP, HALF: gl.constexpr,
+def _query_halves(q_ptr, q_sb, q_sh, b, kvh0, GROUP, HEADS: gl.constexpr, HALF: gl.constexpr,
                   BLOCK_M: gl.constexpr):
-    """The group's query heads as float32 ``(dims d, dims d + HALF)``, each
-    ``(BLOCK_M, HALF)`` (rows past the group zero)."""
+    """The query heads of kv heads ``kvh0 .. kvh0 + HEADS - 1`` as float32 ``(dims d, dims
+    d + HALF)``, each ``(BLOCK_M, HALF)`` (rows past them zero)."""
     ql: gl.constexpr = gl.BlockedLayout([1, HALF // 8], [4, 8], [4, 1], [1, 0])
     g = gl.arange(0, BLOCK_M, gl.SliceLayout(1, ql))
     d = gl.arange(0, HALF, gl.SliceLayout(0, ql))
-    rows = q_ptr + b * q_sb + (kvh * GROUP + g)[:, None] * q_sh + d[None, :]
-    ok = (g < GROUP)[:, None] & (d < HALF)[None, :]
+    rows = q_ptr + b * q_sb + (kvh0 * GROUP + g)[:, None] * q_sh + d[None, :]
+    ok = (g < HEADS * GROUP)[:, None] & (d < HALF)[None, :]
     return (gl.load(rows, mask=ok, other=0.0).to(gl.float32),
             gl.load(rows + HALF, mask=ok, other=0.0).to(gl.float32))
 
@@ -358,18 +371,21 @@ def _turned_query(qa, qb, q_buf, c, s, HALF: gl.constexpr, BLOCK_M: gl.constexpr
 @gluon.jit
 def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_ptr, qk_scale,
             q_sb, q_sh, a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp, z_bufs, k_bufs, r_bufs, q_buf,
-            p_buf, k_ready, k_free, z_free, KV_HEADS, GROUP, WIDTH, SPLIT_LEN,
-            HALF: gl.constexpr, ROPE: gl.constexpr, HAS_NORM: gl.constexpr,
+            p_buf, k_ready, k_free, z_free, KV_GROUPS, GROUP, WIDTH, SPLIT_LEN,
+            HEADS: gl.constexpr, HALF: gl.constexpr, ROPE: gl.constexpr, HAS_NORM: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr, BLOCK_W: gl.constexpr,
             DTYPE: gl.constexpr, FAST: gl.constexpr, Z_STAGES: gl.constexpr):
-    """Partition 3 (the kernel's warps): keys -> scores of the group's heads (positions as
+    """Partition 3 (the kernel's warps): keys -> scores of the query heads (positions as
     the MMA rows) against the query turned by the block's base angle, times the keys'
-    RMSNorm scales, the online softmax over positions, ``acc += codesᵀ @ weights``."""
+    RMSNorm scales, the online softmax over positions, ``acc += codesᵀ @ weights``. With
+    ``HEADS`` kv heads a block's score columns are the query heads of all of them, each
+    column from its own kv head's keys: one softmax and one weighted-code product per
+    block for all of them."""
     sl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, BLOCK_M, 16])
-    b, kvh, split, start, end = _split_range(alen_ptr, KV_HEADS, SPLIT_LEN)
+    b, kvh0, split, start, end = _split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS)
     sink = gl.load(slen_ptr + b)
-    qa, qb = _query_halves(q_ptr, q_sb, q_sh, b, kvh, GROUP, HALF, BLOCK_M)
+    qa, qb = _query_halves(q_ptr, q_sb, q_sh, b, kvh0, GROUP, HEADS, HALF, BLOCK_M)
     ql: gl.constexpr = qa.type.layout
     if ROPE == 1:  # the first block's base angle (each block loads the next one's)
         # (clamped into the sequence: a split past its end has no angle in the tables)
@@ -385,24 +401,30 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
     lt = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, sl)
     acc = gl.zeros([BLOCK_W, BLOCK_M], gl.float32, sl)
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, sl)
+    g = gl.arange(0, BLOCK_M, gl.SliceLayout(0, sl))
+    column_head = (g // GROUP)[None, :]  # the kv head of each score column
     i = 0
     for n0 in range(start, end, BLOCK_N):
-        slot = i % STAGES
         if ROPE == 1:  # (the previous block's score product has finished reading q_buf)
             _turned_query(qa, qb, q_buf, turn_c, turn_s, HALF, BLOCK_M, DTYPE, ROPE)
             # the next block's angle loads while this block is scored
             turn_c, turn_s = _base_angle(sink + gl.minimum(n0 + BLOCK_N, end - 1), cos_a,
                                          sin_a, cos_b, sin_b, HALF, ql)
-        mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
-        s = warpgroup_mma(k_bufs.index(slot), q_buf.permute((1, 0)), zero_s, use_acc=False,
-                          is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if HAS_NORM:
-            scale = r_bufs.index(slot).load(gl.SliceLayout(1, sl))[:, None] * qk_scale
-        else:
-            scale = qk_scale
-        mbarrier.arrive(k_free.index(slot), count=1)
-        s = gl.where((n0 + sn < end)[:, None], s * scale, float("-inf"))
+        for h in gl.static_range(HEADS):
+            t = i * HEADS + h  # (the key buffers' ring counts (block, head) pairs)
+            slot = t % STAGES
+            mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
+            sh = warpgroup_mma(k_bufs.index(slot), q_buf.permute((1, 0)), zero_s,
+                               use_acc=False, is_async=True)
+            sh = warpgroup_mma_wait(num_outstanding=0, deps=(sh,))
+            if HAS_NORM:
+                sh = sh * r_bufs.index(slot).load(gl.SliceLayout(1, sl))[:, None]
+            mbarrier.arrive(k_free.index(slot), count=1)
+            if h == 0:
+                s = sh
+            else:
+                s = gl.where(column_head == h, sh, s)
+        s = gl.where((n0 + sn < end)[:, None], s * qk_scale, float("-inf"))
         m_new = gl.maximum(m, gl.max(s, axis=0))
         alpha = gl.exp2(m - m_new)
         p = gl.exp2(s - m_new[None, :]).to(DTYPE)
@@ -417,14 +439,14 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
         mbarrier.arrive(z_free.index(zslot), count=1)
         i += 1
     l = gl.sum(lt, axis=0)
-    g = gl.arange(0, BLOCK_M, gl.SliceLayout(0, sl))
     c = _code_of(gl.arange(0, BLOCK_W, gl.SliceLayout(1, sl)), BLOCK_B, FAST)
-    heads = kvh * GROUP + g
+    heads = kvh0 * GROUP + g
+    live = g < HEADS * GROUP
     out = acc_ptr + b * a_sb + split * a_sp + heads[None, :] * a_sh + c[:, None]
-    gl.store(out, acc, mask=(g < GROUP)[None, :] & (c < WIDTH)[:, None])
+    gl.store(out, acc, mask=live[None, :] & (c < WIDTH)[:, None])
     ml = ml_ptr + b * ml_sb + heads * ml_sh + split * ml_sp
-    gl.store(ml, m, mask=g < GROUP)
-    gl.store(ml + 1, l, mask=g < GROUP)
+    gl.store(ml, m, mask=live)
+    gl.store(ml + 1, l, mask=live)
 
 
 @gluon.jit
@@ -432,27 +454,38 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                      cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_ptr, qk_scale, eps,
                      q_sb, q_sh, c_sb, c_sn, kd_sh, kd_sd, kd_sw, kb_sh,
                      a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp,
-                     KV_HEADS, GROUP, WIDTH, SPLIT_LEN, HALF: gl.constexpr,
-                     NBYTES: gl.constexpr, BITS: gl.constexpr, ROPE: gl.constexpr,
-                     HAS_BIAS: gl.constexpr, HAS_NORM: gl.constexpr, DTYPE: gl.constexpr,
+                     KV_GROUPS, GROUP, WIDTH, SPLIT_LEN, HEADS: gl.constexpr,
+                     HALF: gl.constexpr, NBYTES: gl.constexpr, BITS: gl.constexpr,
+                     ROPE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_NORM: gl.constexpr,
+                     DTYPE: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr, BLOCK_W: gl.constexpr,
                      BYTES: gl.constexpr, WORD_BYTES: gl.constexpr, FAST: gl.constexpr,
                      WORDS: gl.constexpr, Z_STAGES: gl.constexpr,
                      PREFETCH: gl.constexpr, UNPACK_REGS: gl.constexpr, KEY_REGS: gl.constexpr):
-    pid = gl.program_id(1)
-    kvh = pid % KV_HEADS
-    # the key decoder (BLOCK_W, 2 * HALF), head dims interleaved and rows in the code tile's
-    # column order, goes to shared memory once: the key product's B operand for the program
+    kvh0 = (gl.program_id(1) % KV_GROUPS) * HEADS
+    # the key decoders (BLOCK_W, 2 * HALF) of the program's kv heads, head dims interleaved
+    # and rows in the code tile's column order, go to shared memory once (the key products'
+    # B operands), their biases beside them
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     c = gl.arange(0, BLOCK_W, gl.SliceLayout(1, ld))
     code = _code_of(c, BLOCK_B, FAST)
     j = gl.arange(0, 2 * HALF, gl.SliceLayout(0, ld))
     dim = (j >> 1) + (j & 1) * HALF
-    dec_ptrs = kd_ptr + kvh * kd_sh + dim[None, :] * kd_sd + code[:, None] * kd_sw
-    dec_ok = (code < WIDTH)[:, None] & (j < 2 * HALF)[None, :]
     dec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_W, 2 * HALF], DTYPE)
-    dec = gl.allocate_shared_memory(DTYPE, [BLOCK_W, 2 * HALF], dec_layout,
-                                    gl.load(dec_ptrs, mask=dec_ok, other=0.0))
+    dec = gl.allocate_shared_memory(DTYPE, [HEADS, BLOCK_W, 2 * HALF], dec_layout)
+    bl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    dd = gl.arange(0, HALF, bl)
+    kb_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    kb_s = gl.allocate_shared_memory(gl.float32, [2 * HEADS, HALF], kb_layout)
+    # (a loop, neither unrolled nor hoisted: one head's decoder in registers at a time)
+    for h in tl.range(0, HEADS, disable_licm=True):
+        rows = kd_ptr + (kvh0 + h) * kd_sh + dim[None, :] * kd_sd + code[:, None] * kd_sw
+        ok = (code < WIDTH)[:, None] & (j < 2 * HALF)[None, :]
+        dec.index(h).store(gl.load(rows, mask=ok, other=0.0))
+        if HAS_BIAS:
+            kb_row = kb_ptr + (kvh0 + h) * kb_sh + dd
+            kb_s.index(2 * h).store(gl.load(kb_row).to(gl.float32))
+            kb_s.index(2 * h + 1).store(gl.load(kb_row + HALF).to(gl.float32))
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 2 * HALF], DTYPE)
     q_buf = gl.allocate_shared_memory(DTYPE, [BLOCK_M, 2 * HALF], q_layout)
     z_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_W], DTYPE)
@@ -477,14 +510,14 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
     gl.warp_specialize([
         (_scores, (q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_ptr,
                    qk_scale, q_sb, q_sh, a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp, z_bufs,
-                   k_bufs, r_bufs, q_buf, p_buf, k_ready, k_free, z_free, KV_HEADS, GROUP,
-                   WIDTH, SPLIT_LEN, HALF, ROPE, HAS_NORM, BLOCK_M, BLOCK_B, BLOCK_W, DTYPE, FAST,
-                   Z_STAGES)),
-        (_unpacker, (codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_HEADS, SPLIT_LEN, c_sb,
-                     c_sn, NBYTES, BITS, BLOCK_B, BYTES, WORD_BYTES, DTYPE, FAST, WORDS,
+                   k_bufs, r_bufs, q_buf, p_buf, k_ready, k_free, z_free, KV_GROUPS, GROUP,
+                   WIDTH, SPLIT_LEN, HEADS, HALF, ROPE, HAS_NORM, BLOCK_M, BLOCK_B, BLOCK_W,
+                   DTYPE, FAST, Z_STAGES)),
+        (_unpacker, (codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_GROUPS, SPLIT_LEN, c_sb,
+                     c_sn, HEADS, NBYTES, BITS, BLOCK_B, BYTES, WORD_BYTES, DTYPE, FAST, WORDS,
                      Z_STAGES, PREFETCH)),
-        (_keys, (alen_ptr, kb_ptr, kn_ptr, cos_a, sin_a, eps, kb_sh, z_bufs, k_bufs, r_bufs,
-                 dec, z_ready, k_ready, k_free, KV_HEADS, SPLIT_LEN, HALF, ROPE, HAS_BIAS,
+        (_keys, (alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s,
+                 z_ready, k_ready, k_free, KV_GROUPS, SPLIT_LEN, HEADS, HALF, ROPE, HAS_BIAS,
                  HAS_NORM, DTYPE, Z_STAGES)),
     ], [4, 4], [UNPACK_REGS, KEY_REGS])
 
@@ -499,16 +532,19 @@ def byte_vector(nbytes: int, row_stride: int, most: int = 16) -> int:
 
 
 def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torch.Tensor,
-                     split_len: int, regs: tuple[int, int, int] = (168, 104, 232)
-                     ) -> tuple[list, dict, dict]:
+                     split_len: int, regs: tuple[int, int, int] = (168, 104, 232),
+                     heads: tuple[int, int] | None = None) -> tuple[list, dict, dict]:
     """``(arguments, constexprs, options)`` of one launch of ``_split_kernel_ws`` on a problem
     ``ws_limit`` accepts (``codes`` with at least one row). ``regs``: registers per thread of
     the scores, unpack and keys partitions (``setmaxnreg``; at most 512 in all, so the three
-    warp groups fit one multiprocessor's register file)."""
+    warp groups fit one multiprocessor's register file). ``heads``: ``(kv heads per program,
+    code buffers)``, by default ``_fsq_plan.ws_program_heads``; the grid's second axis is
+    ``batch x kv_heads / heads``."""
     batch, q_heads, head_dim = p.query.shape
     kv_heads, width = p.kv_heads, p.width
     half = head_dim // 2
     kind, (cos_a, sin_a, cos_b, sin_b), kd, kb, kn = kernel_tensors(p, acc)
+    per_program, code_stages = _fsq_plan.ws_program_heads(p) if heads is None else heads
     bits = uniform_bits(p.levels)
     nbytes = codes.shape[2]
     block_b = ws_block_bytes(width, bits)
@@ -521,14 +557,14 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
             cos_a, sin_a, cos_b, sin_b, acc, ml, p.scale * LOG2E, p.eps,
             p.query.stride(0), p.query.stride(1), codes.stride(0), codes.stride(1),
             *kd.stride(), kb.stride(0), *acc.stride()[:3], *ml.stride()[:3],
-            kv_heads, q_heads // kv_heads, width, split_len]
-    consts = dict(HALF=half, NBYTES=nbytes, BITS=bits, ROPE=kind,
+            kv_heads // per_program, q_heads // kv_heads, width, split_len]
+    consts = dict(HEADS=per_program, HALF=half, NBYTES=nbytes, BITS=bits, ROPE=kind,
                   HAS_BIAS=p.key_bias is not None, HAS_NORM=p.k_norm is not None,
                   DTYPE=_GL[p.query.dtype], BLOCK_M=16, BLOCK_B=block_b,
                   BLOCK_W=block_b * (8 // bits),
                   BYTES=byte_layout(block_b, 8 if words else vec),
                   WORD_BYTES=byte_layout(block_b // 4, 2), FAST=fast, WORDS=words,
-                  Z_STAGES=_fsq_plan.WS_CODE_STAGES,
+                  Z_STAGES=code_stages,
                   # (H200, b8 128K: prefetching 8% faster for GPT-2, 6% slower at Qwen3 32x)
                   PREFETCH=fast and kind == 0,
                   UNPACK_REGS=regs[1], KEY_REGS=regs[2])
@@ -536,8 +572,10 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
 
 
 def launch_split(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torch.Tensor,
-                 split_len: int, splits: int) -> None:
+                 split_len: int, splits: int, heads: tuple[int, int] | None = None) -> None:
     """Run the warp-specialized split kernel on a problem ``ws_limit`` accepts, writing the
-    same ``acc`` / ``ml`` scratch as ``_fsq._split_kernel``."""
-    args, consts, options = kernel_arguments(p, codes, acc, ml, split_len)
-    _split_kernel_ws[(splits, p.query.shape[0] * p.kv_heads)](*args, **consts, **options)
+    same ``acc`` / ``ml`` scratch as ``_fsq._split_kernel`` (``heads`` as
+    :func:`kernel_arguments`)."""
+    args, consts, options = kernel_arguments(p, codes, acc, ml, split_len, heads=heads)
+    programs = p.query.shape[0] * p.kv_heads // consts["HEADS"]
+    _split_kernel_ws[(splits, programs)](*args, **consts, **options)
