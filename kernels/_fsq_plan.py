@@ -209,42 +209,47 @@ WS_SHARED_SLACK = 4096  # the compiler's own shared memory beside the buffers (b
 
 
 def ws_shared_bytes(width: int, head_dim: int, bits: int, norm: bool = True, heads: int = 1,
-                    code_stages: int = WS_CODE_STAGES, bias: bool = True) -> int:
+                    code_stages: int = WS_CODE_STAGES, bias: bool = True,
+                    key_stages: int = 2) -> int:
     """Shared memory of the warp-specialized kernel's buffers, bytes: the key decoders (and
-    with ``bias`` the biases) of ``heads`` kv heads, ``code_stages`` code buffers, two key
-    buffers (and with ``norm`` their RMSNorm scales), the query and the weights.
-    ``block_w`` as the launcher pads it."""
+    with ``bias`` the biases) of ``heads`` kv heads, ``code_stages`` code buffers,
+    ``key_stages`` key buffers (and with ``norm`` their RMSNorm scales), the query and the
+    weights. ``block_w`` as the launcher pads it."""
     block_w = ws_block_bytes(width, bits) * (8 // bits)
     return (heads * 2 * block_w * head_dim + code_stages * 2 * WS_BLOCK_N * block_w
-            + 2 * 2 * WS_BLOCK_N * head_dim + 2 * 16 * head_dim + 2 * WS_BLOCK_N * 16
-            + (2 * 4 * WS_BLOCK_N if norm else 0) + (heads * 4 * head_dim if bias else 0))
+            + key_stages * (2 * WS_BLOCK_N * head_dim + (4 * WS_BLOCK_N if norm else 0))
+            + 2 * 16 * head_dim + 2 * WS_BLOCK_N * 16 + (heads * 4 * head_dim if bias else 0))
 
 
 WS_MAX_HEADS = 4  # kv heads one program of the warp-specialized kernel takes at most
 # query heads one program scores at most (H200, CUDA graph, batch 1 to 32: Qwen3-8B at
-# 97.5x runs fastest with 2 kv heads = 8 query heads per program, 4 were 11% to 27% slower;
+# 97.5x runs fastest with 2 kv heads = 8 query heads per program, 4 were 11% to 24% slower;
 # GPT-2 with 4 kv heads = 4 query heads)
 WS_MAX_COLUMNS = 8
+# (code buffers, key buffers) a program of several kv heads may take, the first that fits
+WS_BUFFER_CHOICES = ((WS_CODE_STAGES, 2), (2, 2), (2, 1))
 
 
 @functools.lru_cache(maxsize=256)
 def ws_heads(kv_heads: int, group: int, width: int, head_dim: int, bits: int,
-             norm: bool = True, bias: bool = True) -> tuple[int, int]:
-    """``(heads, code_stages)``: kv heads per program of the warp-specialized kernel and its
-    code buffers. The codes are shared by all kv heads, so a program that takes several
-    unpacks each block once for all of them and scores their query heads with one softmax;
-    the most heads, a power of two up to ``WS_MAX_HEADS`` dividing ``kv_heads`` with at most
-    ``WS_MAX_COLUMNS`` query heads in all, whose decoders fit in shared memory with three
-    code buffers, else two (one head: three)."""
+             norm: bool = True, bias: bool = True) -> tuple[int, int, int]:
+    """``(heads, code_stages, key_stages)``: kv heads per program of the warp-specialized
+    kernel and its code and key buffers. The codes are shared by all kv heads, so a program
+    that takes several unpacks each block once for all of them and scores their query heads
+    with one softmax; the most heads, a power of two up to ``WS_MAX_HEADS`` dividing
+    ``kv_heads`` with at most ``WS_MAX_COLUMNS`` query heads in all, whose decoders fit in
+    shared memory with the first of ``WS_BUFFER_CHOICES`` that fits (one head: three code
+    and two key buffers)."""
     heads = WS_MAX_HEADS
     while heads > 1:
         if kv_heads % heads == 0 and heads * group <= WS_MAX_COLUMNS:
-            for stages in (WS_CODE_STAGES, 2):
-                need = ws_shared_bytes(width, head_dim, bits, norm, heads, stages, bias)
+            for code_stages, key_stages in WS_BUFFER_CHOICES:
+                need = ws_shared_bytes(width, head_dim, bits, norm, heads, code_stages, bias,
+                                       key_stages)
                 if need + WS_SHARED_SLACK <= WS_SHARED_LIMIT:
-                    return heads, stages
+                    return heads, code_stages, key_stages
         heads //= 2
-    return 1, WS_CODE_STAGES
+    return 1, WS_CODE_STAGES, 2
 
 
 def ws_block_bytes(width: int, bits: int) -> int:

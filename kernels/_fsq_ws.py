@@ -52,7 +52,6 @@ from kernels._fsq_plan import (
 )
 
 BLOCK_N = gl.constexpr(WS_BLOCK_N)
-STAGES = gl.constexpr(2)  # key buffers in flight between the keys and scores partitions
 _GL = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 RADIX_BITS = gl.constexpr(ROPE_RADIX_BITS)
 RADIX_MASK = gl.constexpr((1 << ROPE_RADIX_BITS) - 1)
@@ -280,7 +279,7 @@ def _key_bias(kb_s, h, layout: gl.constexpr):
 def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s, z_ready,
           k_ready, k_free, KV_GROUPS, SPLIT_LEN, HEADS: gl.constexpr, HALF: gl.constexpr,
           ROPE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_NORM: gl.constexpr,
-          DTYPE: gl.constexpr, Z_STAGES: gl.constexpr):
+          DTYPE: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr):
     """Partition 2: codes -> keys, a block's ``HEADS`` kv heads one after another. One
     warp-group MMA gives a head's raw keys with the head dims interleaved (``d``, ``d + HALF``
     side by side, so RoPE's pairs sit in one thread); then bias, the RMSNorm weight and RoPE
@@ -318,8 +317,8 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
                 kb = kb * w_b
             if ROPE == 1:
                 ka, kb = ka * cos - kb * sin, kb * cos + ka * sin
-            slot = i % STAGES
-            mbarrier.wait(k_free.index(slot), ((i // STAGES) & 1) ^ 1)
+            slot = i % K_STAGES
+            mbarrier.wait(k_free.index(slot), ((i // K_STAGES) & 1) ^ 1)
             k_bufs.index(slot).store(_interleave(ka, kb, BLOCK_N, HALF).to(DTYPE))
             if HAS_NORM:
                 r_bufs.index(slot).store(gl.rsqrt(ss / (2 * HALF) + eps))
@@ -374,7 +373,8 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
             p_buf, k_ready, k_free, z_free, KV_GROUPS, GROUP, WIDTH, SPLIT_LEN,
             HEADS: gl.constexpr, HALF: gl.constexpr, ROPE: gl.constexpr, HAS_NORM: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr, BLOCK_W: gl.constexpr,
-            DTYPE: gl.constexpr, FAST: gl.constexpr, Z_STAGES: gl.constexpr):
+            DTYPE: gl.constexpr, FAST: gl.constexpr, Z_STAGES: gl.constexpr,
+            K_STAGES: gl.constexpr):
     """Partition 3 (the kernel's warps): keys -> scores of the query heads (positions as
     the MMA rows) against the query turned by the block's base angle, times the keys'
     RMSNorm scales, the online softmax over positions, ``acc += codesᵀ @ weights``. With
@@ -412,8 +412,8 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
                                          sin_a, cos_b, sin_b, HALF, ql)
         for h in gl.static_range(HEADS):
             t = i * HEADS + h  # (the key buffers' ring counts (block, head) pairs)
-            slot = t % STAGES
-            mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
+            slot = t % K_STAGES
+            mbarrier.wait(k_ready.index(slot), (t // K_STAGES) & 1)
             sh = warpgroup_mma(k_bufs.index(slot), q_buf.permute((1, 0)), zero_s,
                                use_acc=False, is_async=True)
             sh = warpgroup_mma_wait(num_outstanding=0, deps=(sh,))
@@ -460,7 +460,7 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                      DTYPE: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr, BLOCK_W: gl.constexpr,
                      BYTES: gl.constexpr, WORD_BYTES: gl.constexpr, FAST: gl.constexpr,
-                     WORDS: gl.constexpr, Z_STAGES: gl.constexpr,
+                     WORDS: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
                      PREFETCH: gl.constexpr, UNPACK_REGS: gl.constexpr, KEY_REGS: gl.constexpr):
     kvh0 = (gl.program_id(1) % KV_GROUPS) * HEADS
     # the key decoders (BLOCK_W, 2 * HALF) of the program's kv heads, head dims interleaved
@@ -491,19 +491,19 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
     z_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_W], DTYPE)
     z_bufs = gl.allocate_shared_memory(DTYPE, [Z_STAGES, BLOCK_N, BLOCK_W], z_layout)
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 2 * HALF], DTYPE)
-    k_bufs = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, 2 * HALF], k_layout)
+    k_bufs = gl.allocate_shared_memory(DTYPE, [K_STAGES, BLOCK_N, 2 * HALF], k_layout)
     r_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    r_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], r_layout)
+    r_bufs = gl.allocate_shared_memory(gl.float32, [K_STAGES, BLOCK_N], r_layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], DTYPE)
     p_buf = gl.allocate_shared_memory(DTYPE, [BLOCK_N, BLOCK_M], p_layout)
     z_ready = gl.allocate_shared_memory(gl.int64, [Z_STAGES, 1], mbarrier.MBarrierLayout())
     z_free = gl.allocate_shared_memory(gl.int64, [Z_STAGES, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(Z_STAGES):
         mbarrier.init(z_ready.index(s), count=1)
         mbarrier.init(z_free.index(s), count=1)
-    for s in gl.static_range(STAGES):
+    for s in gl.static_range(K_STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(k_free.index(s), count=1)
     fence_async_shared()
@@ -512,13 +512,13 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                    qk_scale, q_sb, q_sh, a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp, z_bufs,
                    k_bufs, r_bufs, q_buf, p_buf, k_ready, k_free, z_free, KV_GROUPS, GROUP,
                    WIDTH, SPLIT_LEN, HEADS, HALF, ROPE, HAS_NORM, BLOCK_M, BLOCK_B, BLOCK_W,
-                   DTYPE, FAST, Z_STAGES)),
+                   DTYPE, FAST, Z_STAGES, K_STAGES)),
         (_unpacker, (codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_GROUPS, SPLIT_LEN, c_sb,
                      c_sn, HEADS, NBYTES, BITS, BLOCK_B, BYTES, WORD_BYTES, DTYPE, FAST, WORDS,
                      Z_STAGES, PREFETCH)),
         (_keys, (alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s,
                  z_ready, k_ready, k_free, KV_GROUPS, SPLIT_LEN, HEADS, HALF, ROPE, HAS_BIAS,
-                 HAS_NORM, DTYPE, Z_STAGES)),
+                 HAS_NORM, DTYPE, Z_STAGES, K_STAGES)),
     ], [4, 4], [UNPACK_REGS, KEY_REGS])
 
 
@@ -533,18 +533,18 @@ def byte_vector(nbytes: int, row_stride: int, most: int = 16) -> int:
 
 def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torch.Tensor,
                      split_len: int, regs: tuple[int, int, int] = (168, 104, 232),
-                     heads: tuple[int, int] | None = None) -> tuple[list, dict, dict]:
+                     heads: tuple[int, int, int] | None = None) -> tuple[list, dict, dict]:
     """``(arguments, constexprs, options)`` of one launch of ``_split_kernel_ws`` on a problem
     ``ws_limit`` accepts (``codes`` with at least one row). ``regs``: registers per thread of
     the scores, unpack and keys partitions (``setmaxnreg``; at most 512 in all, so the three
     warp groups fit one multiprocessor's register file). ``heads``: ``(kv heads per program,
-    code buffers)``, by default ``_fsq_plan.ws_program_heads``; the grid's second axis is
-    ``batch x kv_heads / heads``."""
+    code buffers, key buffers)``, by default ``_fsq_plan.ws_program_heads``; the grid's second
+    axis is ``batch x kv_heads / heads``."""
     batch, q_heads, head_dim = p.query.shape
     kv_heads, width = p.kv_heads, p.width
     half = head_dim // 2
     kind, (cos_a, sin_a, cos_b, sin_b), kd, kb, kn = kernel_tensors(p, acc)
-    per_program, code_stages = _fsq_plan.ws_program_heads(p) if heads is None else heads
+    per_program, code_stages, key_stages = _fsq_plan.ws_program_heads(p) if heads is None else heads
     bits = uniform_bits(p.levels)
     nbytes = codes.shape[2]
     block_b = ws_block_bytes(width, bits)
@@ -564,7 +564,7 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
                   BLOCK_W=block_b * (8 // bits),
                   BYTES=byte_layout(block_b, 8 if words else vec),
                   WORD_BYTES=byte_layout(block_b // 4, 2), FAST=fast, WORDS=words,
-                  Z_STAGES=code_stages,
+                  Z_STAGES=code_stages, K_STAGES=key_stages,
                   # (H200, b8 128K: prefetching 8% faster for GPT-2, 6% slower at Qwen3 32x)
                   PREFETCH=fast and kind == 0,
                   UNPACK_REGS=regs[1], KEY_REGS=regs[2])
@@ -572,7 +572,7 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
 
 
 def launch_split(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torch.Tensor,
-                 split_len: int, splits: int, heads: tuple[int, int] | None = None) -> None:
+                 split_len: int, splits: int, heads: tuple[int, int, int] | None = None) -> None:
     """Run the warp-specialized split kernel on a problem ``ws_limit`` accepts, writing the
     same ``acc`` / ``ml`` scratch as ``_fsq._split_kernel`` (``heads`` as
     :func:`kernel_arguments`)."""

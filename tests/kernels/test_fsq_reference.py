@@ -24,6 +24,7 @@ from kernels._fsq_plan import (
     MAX_THETA_POSITION,
     ROPE_RADIX_BITS,
     SPLIT_TUNING,
+    WS_BUFFER_CHOICES,
     WS_MAX_COLUMNS,
     WS_MAX_HEADS,
     WS_SHARED_LIMIT,
@@ -190,11 +191,13 @@ def test_warp_specialized_kernel_head_dims_and_shared_memory():
 
 
 def test_kv_heads_per_program_of_the_warp_specialized_kernel():
-    # Qwen3-8B (8 kv heads x 4 query heads, head_dim 128) and GPT-2 (12 x 1, head_dim 64)
-    assert ws_heads(8, 4, 256, 128, 4) == (1, 3)  # 32x: a second decoder does not fit
-    assert ws_heads(8, 4, 84, 128, 4) == (2, 3)  # 97.5x: 8 query heads per program
-    assert ws_heads(12, 1, 192, 64, 4) == (4, 2)  # four decoders fit beside two code buffers
+    # Qwen3-8B (8 kv heads x 4 query heads, head_dim 128) and GPT-2 (12 x 1, head_dim 64):
+    # (kv heads per program, code buffers, key buffers)
+    assert ws_heads(8, 4, 256, 128, 4) == (2, 2, 1)  # 32x: two decoders fit with 2 + 1
+    assert ws_heads(8, 4, 84, 128, 4) == (2, 3, 2)  # 97.5x: 8 query heads per program
+    assert ws_heads(12, 1, 192, 64, 4) == (4, 2, 2)  # four decoders fit beside two code buffers
     assert ws_heads(6, 1, 84, 64, 4)[0] == 2  # (a power of two dividing the kv heads)
+    assert ws_heads(2, 16, 40, 64, 8) == (1, 3, 2)  # 16 query heads: one kv head
 
 
 @given(kv_heads=st.integers(1, 16), group=st.integers(1, 16), width=st.integers(1, 256),
@@ -202,15 +205,19 @@ def test_kv_heads_per_program_of_the_warp_specialized_kernel():
        norm=st.booleans(), bias=st.booleans())
 def test_kv_heads_per_program_are_the_most_that_fit(kv_heads, group, width, head_dim, bits,
                                                     norm, bias):
-    def fits(heads, stages):
-        return (kv_heads % heads == 0 and heads * group <= WS_MAX_COLUMNS
-                and ws_shared_bytes(width, head_dim, bits, norm, heads, stages, bias)
-                + WS_SHARED_SLACK <= WS_SHARED_LIMIT)
+    def buffers(heads):  # the first (code, key) buffers that fit, in the plan's order
+        fit = [(z, k) for z, k in WS_BUFFER_CHOICES
+               if ws_shared_bytes(width, head_dim, bits, norm, heads, z, bias, k)
+               + WS_SHARED_SLACK <= WS_SHARED_LIMIT]
+        return fit[0] if fit else None
 
-    heads, stages = ws_heads(kv_heads, group, width, head_dim, bits, norm, bias)
-    allowed = [h for h in (1, 2, 4) if h <= WS_MAX_HEADS and (h == 1 or fits(h, 2))]
+    allowed = [h for h in (1, 2, 4) if h == 1 or (
+        h <= WS_MAX_HEADS and kv_heads % h == 0 and h * group <= WS_MAX_COLUMNS
+        and buffers(h) is not None)]
+    heads, code_stages, key_stages = ws_heads(kv_heads, group, width, head_dim, bits, norm,
+                                              bias)
     assert heads == max(allowed)
-    assert stages == (3 if heads == 1 or fits(heads, 3) else 2)
+    assert (code_stages, key_stages) == ((3, 2) if heads == 1 else buffers(heads))
 
 
 def test_routing_on_a_pretend_hopper(monkeypatch):

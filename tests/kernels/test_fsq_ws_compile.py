@@ -68,7 +68,7 @@ def _compile(case):
                               and (not words or problem.codes.data_ptr() % 4 == 0))
     assert consts["WORDS"] == (consts["FAST"] and words)
     # kv heads per program and code buffers as the plan counts them
-    assert (consts["HEADS"], consts["Z_STAGES"]) == ws_program_heads(problem)
+    assert (consts["HEADS"], consts["Z_STAGES"], consts["K_STAGES"]) == ws_program_heads(problem)
     return problem, triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -86,10 +86,11 @@ def _compile(case):
         "qwen3-32x-fp16"])
 def test_warp_specialized_kernel_compiles_for_hopper(kwargs):
     problem, kernel = _compile(make_fsq_case(batch=2, archived=300, **kwargs))
-    # the launcher's buffers, as ws_limit counts them, bound what the kernel takes
+    # the launcher's buffers, as the plan counts them, bound what the kernel takes
+    heads, code_stages, key_stages = ws_program_heads(problem)
     counted = ws_shared_bytes(problem.width, problem.query.shape[2],
-                              uniform_bits(problem.levels), problem.k_norm is not None,
-                              *ws_program_heads(problem), problem.key_bias is not None)
+                              uniform_bits(problem.levels), problem.k_norm is not None, heads,
+                              code_stages, problem.key_bias is not None, key_stages)
     assert counted <= kernel.metadata.shared <= counted + WS_SHARED_SLACK <= WS_SHARED_LIMIT
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "mbarrier.try_wait" in ptx
