@@ -83,11 +83,13 @@ def fsq_case(shape, width, levels, context, batch, rope):
 
 
 def tc_flops(shape, width, context, batch):
-    """Tensor-core FLOPs of one call as the kernel runs it: key halves (2 w D per position
-    and kv head) and the score and weighted-code products on 16 padded rows."""
+    """Tensor-core FLOPs no kernel of this model avoids: reconstructing every archived key,
+    ``2 w D`` per position and kv head (RoPE and k_norm act after the decoder). The score
+    and weighted-code products (``2 g (D + w)`` for ``g`` query heads per kv head; the kernel
+    pads them to 16 rows) and the codes' padding to a power of two are left out, so the
+    roofline is the ceiling a perfect kernel of this model would meet."""
     hkv, d = shape["kv_heads"], shape["head_dim"]
-    rows = max(16, shape["q_heads"] // hkv)
-    return batch * hkv * (context - SINKS - RECENT) * (2 * width * d + 2 * rows * (d + width))
+    return batch * hkv * (context - SINKS - RECENT) * 2 * width * d
 
 
 def fsq_bytes(shape, width, levels, context, batch):
