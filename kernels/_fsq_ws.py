@@ -1,5 +1,7 @@
 """The FSQ split kernel, warp-specialized for Hopper (Gluon): three 4-warp partitions hand
-blocks of ``BLOCK_N`` positions to each other through shared memory.
+blocks of ``BLOCK_N`` positions to each other through shared memory. A program takes
+``HEADS`` kv heads (``_fsq_plan.ws_heads``): the codes are shared by all kv heads, so each
+block is unpacked once for them and their query heads share one softmax.
 
 Same scratch as ``_fsq._split_kernel`` (the merge kernel is shared), arranged so the unpack
 of block ``i + 2``, the keys of block ``i + 1`` and the scores of block ``i`` run at the same
@@ -10,14 +12,15 @@ time on different warps:
   by bit operations (``_nibbles``), even coordinates in the tile's first half, odd ones in
   the second (``_code_of``); rows that are not whole 4-byte words (97.5x: 42 bytes) read as
   aligned words and funnel-shifted into place (``_word_bytes``);
-- *keys* (``_keys``): one warp-group MMA per block against the decoder (in shared memory for
-  the whole program, head dims interleaved so RoPE's pairs sit in one thread), bias, the
-  RMSNorm weight and RoPE by the angle of each position's offset in its block (held in
-  registers), the keys rounded to the query's dtype into shared memory and the rows' RMSNorm
-  scales beside them;
+- *keys* (``_keys``): one warp-group MMA per block and kv head against its decoder (in
+  shared memory for the whole program, head dims interleaved so RoPE's pairs sit in one
+  thread), bias, the RMSNorm weight and RoPE by the angle of each position's offset in its
+  block (held in registers), the keys rounded to the query's dtype into a ring of
+  ``K_STAGES`` buffers and the rows' RMSNorm scales beside them;
 - *scores* (``_scores``, the kernel's own warps): the query turned back by the block's base
-  angle (``q . R(base + r) k = R(base)^T q . R(r) k``), ``keys @ queryᵀ`` with positions as
-  the MMA rows (M = 64), times the norm scales, the online softmax over positions,
+  angle (``q . R(base + r) k = R(base)^T q . R(r) k``), ``keys @ queryᵀ`` per kv head with
+  positions as the MMA rows (M = 64), times the norm scales, each kv head's query-head
+  columns gathered into one score tile, the online softmax over positions,
   ``acc += codesᵀ @ weights``.
 
 Every buffer has a ready and a free mbarrier. Hopper only (warp-group MMA, ``setmaxnreg``);
