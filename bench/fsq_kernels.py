@@ -16,6 +16,7 @@ per row: bytes moved / bandwidth, tensor-core FLOPs / matmul rate. Also extra pe
 
     python bench/fsq_kernels.py --out bench/results/fsq_kernels.json [--quick] [--sweep]
         [--contexts 32768 131072] [--batches 1 8]
+    python bench/fsq_kernels.py --heads   # kv heads per program of the Hopper kernel
     python bench/fsq_kernels.py --plot bench/results/fsq_kernels.json   # table + docs figure
 """
 
@@ -256,6 +257,82 @@ def sweep(points=((8, 131072), (1, 32768)), check_context=4096):
     return {"rows": out, "best": best}
 
 
+WS_CHOICES = ((1, 3, 2), (2, 3, 2), (2, 3, 1), (2, 2, 1), (4, 3, 2), (4, 2, 2), (4, 2, 1))
+
+
+def _label(choice):
+    return "h{}z{}k{}".format(*choice)
+
+
+def ws_fits(problem, heads, code_stages, key_stages):
+    """Whether the warp-specialized kernel can run ``problem`` with ``heads`` kv heads per
+    program (at most 16 query heads) and these buffers in shared memory."""
+    from kernels._fsq_plan import (
+        WS_SHARED_LIMIT,
+        WS_SHARED_SLACK,
+        uniform_bits,
+        ws_shared_bytes,
+    )
+
+    q_heads, head_dim = problem.query.shape[1:]
+    need = ws_shared_bytes(problem.width, head_dim, uniform_bits(problem.levels),
+                           problem.k_norm is not None, heads, code_stages,
+                           problem.key_bias is not None, key_stages)
+    return (problem.kv_heads % heads == 0 and heads * q_heads // problem.kv_heads <= 16
+            and need + WS_SHARED_SLACK <= WS_SHARED_LIMIT)
+
+
+def heads_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
+                check_context=4096):
+    """The warp-specialized kernel's kv heads per program and buffers: every ``(heads, code
+    buffers, key buffers)`` of ``WS_CHOICES`` that fits (at most 16 query heads per program,
+    shared memory) at each config it takes, CUDA-graph time, each with the split count the
+    plan picks for ``batch x kv_heads / heads`` programs. Every choice is first checked
+    against the float32 reference on a ``check_context`` case. ``plan`` in a row is what
+    ``_fsq_plan.ws_program_heads`` picks."""
+    import torch
+    from fsq_cases import assert_rows_close
+
+    from kernels import _fsq, _fsq_ws, reference_fsq_decode_attention, validate_fsq_args
+    from kernels._fsq_plan import WS_BLOCK_N, choose_num_splits, ws_program_heads
+
+    def run(problem, choice):
+        splits = choose_num_splits(problem, WS_BLOCK_N, choice[0])
+        launch = _fsq_ws.launch_split
+        _fsq_ws.launch_split = functools.partial(launch, heads=choice)
+        try:
+            return _fsq.decode(problem, num_splits=splits)
+        finally:
+            _fsq_ws.launch_split = launch
+
+    out = []
+    for name, shape, width, levels in CONFIGS[1:]:
+        rope = name.startswith("qwen3")
+        small = fsq_case(shape, width, levels, check_context, 2, rope)
+        small_problem = validate_fsq_args(**small)
+        ref = reference_fsq_decode_attention(**small, out_dtype=torch.float32)
+        choices = [c for c in WS_CHOICES if ws_fits(small_problem, *c)]
+        wrong = {}
+        for choice in choices:
+            try:
+                assert_rows_close(run(small_problem, choice), ref)
+            except AssertionError as exc:
+                wrong[choice] = str(exc)
+        for batch, context in points:
+            problem = validate_fsq_args(**fsq_case(shape, width, levels, context, batch, rope))
+            row = {"config": name, "batch": batch, "context": context,
+                   "plan": _label(ws_program_heads(problem))}
+            for choice in choices:
+                key = _label(choice)
+                row[key] = ("wrong: " + wrong[choice] if choice in wrong else
+                            time_ms(functools.partial(run, problem, choice), graph=True))
+            out.append(row)
+            print(json.dumps(row), flush=True)
+            del problem
+            torch.cuda.empty_cache()
+    return out
+
+
 def eager_calls(points=((1, 4096), (1, 32768), (8, 32768))):
     """Host-side cost of one call (batch 1, and batch 8 at 32K): eager time (launches from
     Python, ``do_bench``) of the validated call, of the trusted per-step path
@@ -364,6 +441,8 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", help="grid batches (default: 1 8 32)")
     ap.add_argument("--sweep", action="store_true", help="time the split kernel's knobs first")
     ap.add_argument("--no-grid", action="store_true", help="with --sweep: only the sweep")
+    ap.add_argument("--heads", action="store_true", help="only the warp-specialized kernel's "
+                    "kv heads per program and buffers (Hopper)")
     ap.add_argument("--eager", action="store_true", help="only the host-side cost of a call "
                     "(validated, trusted path, SDPA) at a few small shapes")
     ap.add_argument("--plot", type=Path, help="print the table of a saved result")
@@ -381,6 +460,13 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         raise SystemExit("bench/fsq_kernels.py needs a CUDA GPU (--plot reads a saved result)")
+    if args.heads:
+        out = args.out
+        if out == DEFAULT_OUT:
+            out = DEFAULT_OUT.with_name("fsq_kernels_heads.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"heads": heads_sweep()}, indent=1))
+        return
     if args.eager:
         out = args.out
         if out == DEFAULT_OUT:
