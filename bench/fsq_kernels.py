@@ -435,7 +435,8 @@ def plot(data, figure: Path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                    help="with --eager the default is fsq_kernels_eager.json beside it")
+                    help="with --heads / --eager the default is fsq_kernels_heads.json / "
+                    "fsq_kernels_eager.json beside it")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--contexts", type=int, nargs="+", help="grid contexts (default: 4K-128K)")
     ap.add_argument("--batches", type=int, nargs="+", help="grid batches (default: 1 8 32)")
@@ -460,20 +461,14 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         raise SystemExit("bench/fsq_kernels.py needs a CUDA GPU (--plot reads a saved result)")
-    if args.heads:
-        out = args.out
-        if out == DEFAULT_OUT:
-            out = DEFAULT_OUT.with_name("fsq_kernels_heads.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"heads": heads_sweep()}, indent=1))
-        return
-    if args.eager:
-        out = args.out
-        if out == DEFAULT_OUT:
-            out = DEFAULT_OUT.with_name("fsq_kernels_eager.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"eager": eager_calls()}, indent=1))
-        return
+    for flag, measure in (("heads", heads_sweep), ("eager", eager_calls)):
+        if getattr(args, flag):  # one measurement alone, to its own file by default
+            out = args.out
+            if out == DEFAULT_OUT:
+                out = DEFAULT_OUT.with_name(f"fsq_kernels_{flag}.json")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({flag: measure()}, indent=1))
+            return
     contexts = args.contexts or ([4096, 32768] if args.quick else [4096, 16384, 32768, 131072])
     batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
     data = {}
