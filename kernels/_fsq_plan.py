@@ -320,8 +320,8 @@ def default_block_n(problem: FsqProblem) -> int:
     return WS_BLOCK_N if uses_ws(problem) else SPLIT_TUNING["block_n"]
 
 
-def ws_program_heads(problem: FsqProblem) -> tuple[int, int]:
-    """:func:`ws_heads` of a problem: ``(kv heads per program, code buffers)``."""
+def ws_program_heads(problem: FsqProblem) -> tuple[int, int, int]:
+    """:func:`ws_heads` of a problem: ``(kv heads per program, code buffers, key buffers)``."""
     q_heads, head_dim = problem.query.shape[1:]
     return ws_heads(problem.kv_heads, q_heads // problem.kv_heads, problem.width, head_dim,
                     uniform_bits(problem.levels), problem.k_norm is not None,
