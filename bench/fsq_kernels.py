@@ -17,6 +17,7 @@ per row: bytes moved / bandwidth, tensor-core FLOPs / matmul rate. Also extra pe
     python bench/fsq_kernels.py --out bench/results/fsq_kernels.json [--quick] [--sweep]
         [--contexts 32768 131072] [--batches 1 8]
     python bench/fsq_kernels.py --heads   # kv heads per program of the Hopper kernel
+    python bench/fsq_kernels.py --variants   # its code-column knobs on and off
     python bench/fsq_kernels.py --plot bench/results/fsq_kernels.json   # table + docs figure
 """
 
@@ -333,6 +334,61 @@ def heads_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
     return out
 
 
+WS_VARIANTS = ({}, {"bias_pad": False}, {"trim": False}, {"bias_pad": False, "trim": False})
+
+
+def variants_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
+                   check_context=4096):
+    """The warp-specialized kernel's code-column knobs (``_fsq_plan.WS_TUNING``: the key
+    bias carried by the padding bytes' codes, the key product trimmed to the columns that
+    hold codes) on and off at each config, CUDA-graph time; every variant first checked
+    against the float32 reference on a ``check_context`` case (a wrong one is recorded as
+    such, never timed). ``{}`` in a row's label is the shipped setting."""
+    import torch
+    from fsq_cases import assert_rows_close
+
+    from kernels import _fsq, reference_fsq_decode_attention, validate_fsq_args
+    from kernels._fsq_plan import WS_TUNING, ws_code_columns
+
+    def run(problem, knobs):
+        saved = dict(WS_TUNING)
+        WS_TUNING.update(knobs)
+        ws_code_columns.cache_clear()
+        try:
+            return _fsq.decode(problem)
+        finally:
+            WS_TUNING.update(saved)
+            ws_code_columns.cache_clear()
+
+    def label(knobs):
+        return ",".join(f"{k}={v}" for k, v in knobs.items()) or "shipped"
+
+    out = []
+    for name, shape, width, levels in CONFIGS[1:]:
+        rope = name.startswith("qwen3")
+        small = fsq_case(shape, width, levels, check_context, 2, rope)
+        small_problem = validate_fsq_args(**small)
+        ref = reference_fsq_decode_attention(**small, out_dtype=torch.float32)
+        wrong = {}
+        for knobs in WS_VARIANTS:
+            try:
+                assert_rows_close(run(small_problem, knobs), ref)
+            except AssertionError as exc:
+                wrong[label(knobs)] = str(exc)
+        for batch, context in points:
+            problem = validate_fsq_args(**fsq_case(shape, width, levels, context, batch, rope))
+            row = {"config": name, "batch": batch, "context": context}
+            for knobs in WS_VARIANTS:
+                key = label(knobs)
+                row[key] = ("wrong: " + wrong[key] if key in wrong else
+                            time_ms(functools.partial(run, problem, knobs), graph=True))
+            out.append(row)
+            print(json.dumps(row), flush=True)
+            del problem
+            torch.cuda.empty_cache()
+    return out
+
+
 def eager_calls(points=((1, 4096), (1, 32768), (8, 32768))):
     """Host-side cost of one call (batch 1, and batch 8 at 32K): eager time (launches from
     Python, ``do_bench``) of the validated call, of the trusted per-step path
@@ -435,8 +491,8 @@ def plot(data, figure: Path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                    help="with --heads / --eager the default is fsq_kernels_heads.json / "
-                    "fsq_kernels_eager.json beside it")
+                    help="with --heads / --variants / --eager the default is "
+                    "fsq_kernels_<flag>.json beside it")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--contexts", type=int, nargs="+", help="grid contexts (default: 4K-128K)")
     ap.add_argument("--batches", type=int, nargs="+", help="grid batches (default: 1 8 32)")
@@ -444,6 +500,8 @@ def main(argv=None):
     ap.add_argument("--no-grid", action="store_true", help="with --sweep: only the sweep")
     ap.add_argument("--heads", action="store_true", help="only the warp-specialized kernel's "
                     "kv heads per program and buffers (Hopper)")
+    ap.add_argument("--variants", action="store_true", help="only the warp-specialized "
+                    "kernel's code-column knobs on and off (Hopper)")
     ap.add_argument("--eager", action="store_true", help="only the host-side cost of a call "
                     "(validated, trusted path, SDPA) at a few small shapes")
     ap.add_argument("--plot", type=Path, help="print the table of a saved result")
@@ -461,7 +519,8 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         raise SystemExit("bench/fsq_kernels.py needs a CUDA GPU (--plot reads a saved result)")
-    for flag, measure in (("heads", heads_sweep), ("eager", eager_calls)):
+    for flag, measure in (("heads", heads_sweep), ("variants", variants_sweep),
+                          ("eager", eager_calls)):
         if getattr(args, flag):  # one measurement alone, to its own file by default
             out = args.out
             if out == DEFAULT_OUT:

@@ -212,9 +212,10 @@ def ws_shared_bytes(width: int, head_dim: int, bits: int, norm: bool = True, hea
                     code_stages: int = WS_CODE_STAGES, bias: bool = True,
                     key_stages: int = 2) -> int:
     """Shared memory of the warp-specialized kernel's buffers, bytes: the key decoders (and
-    with ``bias`` the biases) of ``heads`` kv heads, ``code_stages`` code buffers,
-    ``key_stages`` key buffers (and with ``norm`` their RMSNorm scales), the query and the
-    weights. ``block_w`` as the launcher pads it."""
+    with ``bias`` the float32 biases, which the kernel keeps only where the bias does not
+    ride in the key product: :func:`ws_code_columns`) of ``heads`` kv heads,
+    ``code_stages`` code buffers, ``key_stages`` key buffers (and with ``norm`` their
+    RMSNorm scales), the query and the weights. ``block_w`` as the launcher pads it."""
     block_w = ws_block_bytes(width, bits) * (8 // bits)
     return (heads * 2 * block_w * head_dim + code_stages * 2 * WS_BLOCK_N * block_w
             + key_stages * (2 * WS_BLOCK_N * head_dim + (4 * WS_BLOCK_N if norm else 0))
@@ -256,6 +257,57 @@ def ws_block_bytes(width: int, bits: int) -> int:
     """Bytes of a packed row the warp-specialized kernel loads per position: a power of two
     >= 16, and at least 64 codes (the codes are the rows of a warp-group MMA, 64 a step)."""
     return max(pow2(math.ceil(width * bits / 8), 16), 64 * bits // 8)
+
+
+# the warp-specialized kernel's code-column knobs (bench/fsq_kernels.py --variants turns them
+# off to time the difference in one process)
+WS_TUNING = {"bias_pad": True, "trim": True}
+
+
+@functools.lru_cache(maxsize=256)
+def ws_code_columns(width: int, bits: int, nbytes: int, fast: bool, words: bool, bias: bool,
+                    bias_pad: bool = True, trim: bool = True
+                    ) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """``(bias code, chunks)``: where the warp-specialized kernel's key product finds the
+    bias, and which columns of a block's code tile it multiplies.
+
+    The unpack reads every byte past a packed row as 1, from the first byte it reads
+    reliably there on (``nbytes``, or the next 4-byte word's first byte for rows read as
+    shifted words, whose last word's tail is the next row's): so the low nibble (or the byte,
+    for 8-bit codes) of each such padding byte is a code 1. With ``bias`` and two such bytes
+    inside the tile, the decoder's rows of their two code coordinates hold the key bias (in
+    two 16-bit parts) and the product adds it: ``bias code`` is the first coordinate, else
+    -1. With ``trim`` the product covers only the tile's columns that can hold a code or
+    those ones, as ``(first column, count)`` chunks whose counts are powers of two >= 16 (a
+    shared-memory slice's shape must be a power of two): the bit-operation unpack's tile
+    holds the even coordinates in columns ``[0, block_b)``, the odd ones from ``block_b``
+    on; ``()``: all columns, one MMA."""
+    block_b = ws_block_bytes(width, bits)
+    step = 8 // bits
+    first_pad = -(-nbytes // 4) * 4 if words else nbytes
+    bias_code = first_pad * step if bias and bias_pad and first_pad + 1 < block_b else -1
+    if not trim:
+        return bias_code, ()
+    used = first_pad + 2 if bias_code >= 0 else nbytes  # bytes whose codes can count
+    spans = [(0, used), (block_b, nbytes)] if fast else [(0, used * step)]
+    chunks = tuple(chunk for start, count in spans for chunk in pow2_chunks(start, count))
+    full = 2 * block_b if fast else block_b * step
+    return bias_code, chunks if sum(c for _, c in chunks) < full else ()
+
+
+def pow2_chunks(start: int, count: int) -> list[tuple[int, int]]:
+    """``[start, start + count)`` rounded up to whole MMA steps of 16, as ``(first, count)``
+    chunks of powers of two, largest first."""
+    left = -(-count // 16) * 16
+    out = []
+    size = 1 << (left.bit_length() - 1) if left else 0
+    while left:
+        if size <= left:
+            out.append((start, size))
+            start += size
+            left -= size
+        size //= 2
+    return out
 
 
 def ws_limit(problem: FsqProblem) -> str | None:

@@ -48,10 +48,12 @@ from kernels._common import LOG2E, NEG_BIG
 from kernels._fsq_plan import (
     ROPE_RADIX_BITS,
     WS_BLOCK_N,
+    WS_TUNING,
     FsqProblem,
     kernel_tensors,
     uniform_bits,
     ws_block_bytes,
+    ws_code_columns,
 )
 
 BLOCK_N = gl.constexpr(WS_BLOCK_N)
@@ -147,11 +149,11 @@ def _unpacker(codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_GROUPS, SPLIT_LEN
               HEADS: gl.constexpr, NBYTES: gl.constexpr, BITS: gl.constexpr, BLOCK_B: gl.constexpr,
               LAYOUT: gl.constexpr, WORD_LAYOUT: gl.constexpr, DTYPE: gl.constexpr,
               FAST: gl.constexpr, WORDS: gl.constexpr, Z_STAGES: gl.constexpr,
-              PREFETCH: gl.constexpr):
+              PREFETCH: gl.constexpr, PAD: gl.constexpr):
     """Partition 1: packed rows -> codes in shared memory, a block ahead of the keys. With
     ``WORDS`` (16-level rows that are not whole 4-byte words apart) a row's bytes are read
     as aligned 4-byte words and shifted into place. Once per block for all the program's kv
-    heads."""
+    heads. Bytes past a row (and rows past the split) read as ``PAD``."""
     b, kvh0, split, start, end = _split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS)
     if WORDS:
         layout: gl.constexpr = WORD_LAYOUT
@@ -167,15 +169,15 @@ def _unpacker(codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_GROUPS, SPLIT_LEN
         offs = rows0[:, None] * c_sn + j[None, :]  # (within a block: int32)
     # with PREFETCH, the next block's rows are in flight while a block is unpacked and stored
     if PREFETCH:
-        after = _load_rows(row_base, offs, start, end, rows0, j, c_sn, NBYTES, WORDS)
+        after = _load_rows(row_base, offs, start, end, rows0, j, c_sn, NBYTES, WORDS, PAD)
     i = 0
     for n0 in range(start, end, BLOCK_N):
         if PREFETCH:
             byte = after
             after = _load_rows(row_base, offs, n0 + BLOCK_N, end, rows0, j, c_sn, NBYTES,
-                               WORDS)
+                               WORDS, PAD)
         else:
-            byte = _load_rows(row_base, offs, n0, end, rows0, j, c_sn, NBYTES, WORDS)
+            byte = _load_rows(row_base, offs, n0, end, rows0, j, c_sn, NBYTES, WORDS, PAD)
         if WORDS:
             byte = gl.convert_layout(_word_bytes(byte, BLOCK_B), LAYOUT)
         slot = i % Z_STAGES
@@ -196,24 +198,25 @@ def _unpacker(codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_GROUPS, SPLIT_LEN
 
 @gluon.jit
 def _load_rows(row_base, offs, n0, end, rows0, j, c_sn, NBYTES: gl.constexpr,
-               WORDS: gl.constexpr):
-    """The packed rows ``n0 + rows0`` (zero past ``end`` and past ``NBYTES``); with
-    ``WORDS`` as ``(word, next word, shift)``: bytes ``4j .. 4j + 3`` of a row are
-    ``(word, next word) >> shift``, ``row_base`` the 4-byte words, ``offs`` the rows' byte
-    offset from them."""
+               WORDS: gl.constexpr, PAD: gl.constexpr):
+    """The packed rows ``n0 + rows0`` (bytes ``PAD`` past ``end`` and past ``NBYTES``; with
+    ``WORDS`` from the first whole word past ``NBYTES`` on, the bytes between are the next
+    row's); with ``WORDS`` as ``(word, next word, shift)``: bytes ``4j .. 4j + 3`` of a row
+    are ``(word, next word) >> shift``, ``row_base`` the 4-byte words, ``offs`` the rows'
+    byte offset from them."""
     live = (n0 + rows0 < end)[:, None]
     if WORDS:
         o = offs + (n0 + rows0).to(gl.int64) * c_sn  # each row's first byte
         word = (o >> 2)[:, None] + j[None, :]
         stop = (o + NBYTES)[:, None]
         shift = ((o & 3) * 8).to(gl.int32)[:, None]
-        lo = gl.load(row_base + word, mask=live & (word * 4 < stop), other=0)
+        lo = gl.load(row_base + word, mask=live & (word * 4 < stop), other=PAD * 0x01010101)
         hi = gl.load(row_base + word + 1, mask=live & (word * 4 + 4 < stop) & (shift != 0),
-                     other=0)
+                     other=PAD * 0x01010101)
         return lo, hi, gl.broadcast(shift, lo)[0]
     else:
         ok = live & (j < NBYTES)[None, :]
-        return gl.load(row_base + n0.to(gl.int64) * c_sn + offs, mask=ok, other=0)
+        return gl.load(row_base + n0.to(gl.int64) * c_sn + offs, mask=ok, other=PAD)
 
 
 @gluon.jit
@@ -249,14 +252,16 @@ def _interleave(a, b, ROWS: gl.constexpr, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _key_constants(kn_ptr, cos_a, sin_a, layout: gl.constexpr, HALF: gl.constexpr,
-                   ROPE: gl.constexpr, HAS_NORM: gl.constexpr):
-    """What the keys of every kv head need for the whole program: ``(w_a, w_b, cos, sin)``,
-    the RMSNorm weight for dims ``d`` and ``d + HALF`` (row vectors; registers are scarce)
-    and the angles of block offsets ``0 .. BLOCK_N - 1``, in ``layout``; unused ones are
-    placeholders."""
-    dd = gl.arange(0, HALF, gl.SliceLayout(0, layout))
-    zero = gl.zeros([HALF], gl.float32, gl.SliceLayout(0, layout))[None, :]
+def _key_constants(kn_ptr, cos_a, sin_a, part: gl.constexpr, layout: gl.constexpr,
+                   HALF: gl.constexpr, ROPE: gl.constexpr, HAS_NORM: gl.constexpr):
+    """What the keys of every kv head need for the whole program, for one column half of the
+    key product (``part``: the RoPE pairs ``(d, d + HALF)``, ``d`` in ``part * HALF / 2 +
+    [0, HALF / 2)``): ``(w_a, w_b, cos, sin)``, the RMSNorm weight of dims ``d`` and
+    ``d + HALF`` (row vectors; registers are scarce) and the angles of block offsets
+    ``0 .. BLOCK_N - 1``, in ``layout``; unused ones are placeholders."""
+    Q: gl.constexpr = HALF // 2
+    dd = part * Q + gl.arange(0, Q, gl.SliceLayout(0, layout))
+    zero = gl.zeros([Q], gl.float32, gl.SliceLayout(0, layout))[None, :]
     w_a = zero
     w_b = zero
     cos = zero
@@ -272,73 +277,142 @@ def _key_constants(kn_ptr, cos_a, sin_a, layout: gl.constexpr, HALF: gl.constexp
 
 
 @gluon.jit
-def _key_bias(kb_s, h, layout: gl.constexpr):
-    """Head ``h``'s key bias for dims ``d`` and ``d + HALF``, row vectors in ``layout``."""
+def _key_bias(kb_s, h, part: gl.constexpr, layout: gl.constexpr):
+    """Head ``h``'s key bias for dims ``d`` and ``d + HALF`` of column half ``part``, row
+    vectors in ``layout`` (``kb_s`` holds a head's four quarter rows: a0 a1 b0 b1)."""
     row: gl.constexpr = gl.SliceLayout(0, layout)
-    return kb_s.index(2 * h).load(row)[None, :], kb_s.index(2 * h + 1).load(row)[None, :]
+    return (kb_s.index(4 * h + part).load(row)[None, :],
+            kb_s.index(4 * h + 2 + part).load(row)[None, :])
+
+
+@gluon.jit
+def _key_product(z, dec, zero, K_CHUNKS: gl.constexpr):
+    """Issue (not wait for) one column half of a block's raw keys, codes ``z`` ``(BLOCK_N,
+    BLOCK_W)`` @ decoder part ``dec`` ``(BLOCK_W, HALF)``. With ``K_CHUNKS``, ``(column,
+    count)`` pairs of powers of two, only those code columns take part (the others are
+    padding: zero decoder rows); ``len(K_CHUNKS)`` MMA groups, else one over all columns."""
+    if len(K_CHUNKS) == 0:
+        k = warpgroup_mma(z, dec, zero, use_acc=False, is_async=True)
+    else:
+        k = warpgroup_mma(z.slice(K_CHUNKS[0][0], K_CHUNKS[0][1], dim=1),
+                          dec.slice(K_CHUNKS[0][0], K_CHUNKS[0][1], dim=0), zero,
+                          use_acc=False, is_async=True)
+        for c in gl.static_range(1, len(K_CHUNKS)):
+            k = warpgroup_mma(z.slice(K_CHUNKS[c][0], K_CHUNKS[c][1], dim=1),
+                              dec.slice(K_CHUNKS[c][0], K_CHUNKS[c][1], dim=0), k,
+                              is_async=True)
+    return k
+
+
+@gluon.jit
+def _key_part(k, w_a, w_b, cos, sin, bias_a, bias_b, Q: gl.constexpr, ROPE: gl.constexpr,
+              ADD_BIAS: gl.constexpr, HAS_NORM: gl.constexpr, DTYPE: gl.constexpr):
+    """One column half of a block's keys from its raw product ``k`` ``(BLOCK_N, 2 Q)`` (pairs
+    interleaved): bias (unless it came with the product), the RMSNorm weight, RoPE by the
+    offsets' angles; ``(keys in DTYPE, the rows' partial sums of squares)``."""
+    ka, kb = _halves(k, BLOCK_N, Q)
+    if ADD_BIAS:
+        ka = ka + bias_a
+        kb = kb + bias_b
+    if HAS_NORM:
+        ss = gl.sum(ka * ka, axis=1) + gl.sum(kb * kb, axis=1)
+        ka = ka * w_a
+        kb = kb * w_b
+    else:
+        ss = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, ka.type.layout))
+    if ROPE == 1:
+        ka, kb = ka * cos - kb * sin, kb * cos + ka * sin
+    return _interleave(ka, kb, BLOCK_N, Q).to(DTYPE), ss
 
 
 @gluon.jit
 def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s, z_ready,
           k_ready, k_free, KV_GROUPS, SPLIT_LEN, HEADS: gl.constexpr, HALF: gl.constexpr,
-          ROPE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_NORM: gl.constexpr,
-          DTYPE: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr):
-    """Partition 2: codes -> keys, a block's ``HEADS`` kv heads one after another. One
-    warp-group MMA gives a head's raw keys with the head dims interleaved (``d``, ``d + HALF``
-    side by side, so RoPE's pairs sit in one thread); then bias, the RMSNorm weight and RoPE
-    by the block offset's angle (the same for every block, so held in registers: the block's
-    base angle turns the query instead). The RMSNorm scale, one per row, goes to the scores
-    partition, which applies it to the scores. Keys rounded to the query's dtype into shared
-    memory."""
+          ROPE: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_PAD: gl.constexpr,
+          HAS_NORM: gl.constexpr, DTYPE: gl.constexpr, K_CHUNKS: gl.constexpr,
+          Z_STAGES: gl.constexpr,
+          K_STAGES: gl.constexpr):
+    """Partition 2: codes -> keys, a block's ``HEADS`` kv heads one after another, each in two
+    column halves (``part``s) of the key product, whose warp-group MMAs are pipelined: the
+    product of the next part (of this head, the next head or the next block's first) runs
+    on the tensor cores while this part's elementwise work runs. A product gives a head's raw
+    keys with the head dims interleaved (``d``, ``d + HALF`` side by side, so RoPE's pairs sit
+    in one thread; each part holds ``HALF / 2`` pairs), with ``BIAS_PAD`` the bias too (it
+    rides in the decoder's rows of two padding code columns that hold ones); then the
+    RMSNorm weight and RoPE by the block offset's angle (the same for every block, so held in
+    registers: the block's base angle turns the query instead). The RMSNorm scale, one per
+    row, goes to the scores partition, which applies it to the scores. Keys rounded to the
+    query's dtype into shared memory, a buffer per part."""
+    Q: gl.constexpr = HALF // 2
+    GROUPS: gl.constexpr = max(1, len(K_CHUNKS))  # (MMA groups one _key_product issues)
+    ADD_BIAS: gl.constexpr = HAS_BIAS and not BIAS_PAD
     kl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                 instr_shape=[16, 2 * HALF, 16])
+                                                 instr_shape=[16, HALF, 16])
     b, kvh0, split, start, end = _split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS)
-    zero_k = gl.zeros([BLOCK_N, 2 * HALF], gl.float32, kl)
-    proto, _ = _halves(zero_k, BLOCK_N, HALF)
+    zero_k = gl.zeros([BLOCK_N, HALF], gl.float32, kl)
+    proto, _ = _halves(zero_k, BLOCK_N, Q)
     hl: gl.constexpr = proto.type.layout
-    w_a, w_b, cos, sin = _key_constants(kn_ptr, cos_a, sin_a, hl, HALF, ROPE, HAS_NORM)
-    if HAS_BIAS and HEADS == 1:  # (more heads: each head's bias from shared memory)
-        bias_a, bias_b = _key_bias(kb_s, 0, hl)
-    blk = 0
+    w_a0, w_b0, cos0, sin0 = _key_constants(kn_ptr, cos_a, sin_a, 0, hl, HALF, ROPE, HAS_NORM)
+    w_a1, w_b1, cos1, sin1 = _key_constants(kn_ptr, cos_a, sin_a, 1, hl, HALF, ROPE, HAS_NORM)
+    bias_a0 = w_a0
+    bias_b0 = w_a0
+    bias_a1 = w_a0
+    bias_b1 = w_a0
+    if ADD_BIAS and HEADS == 1:  # (more heads: each head's bias from shared memory)
+        bias_a0, bias_b0 = _key_bias(kb_s, 0, 0, hl)
+        bias_a1, bias_b1 = _key_bias(kb_s, 0, 1, hl)
     i = 0  # (block, head) pairs done: the key buffers' ring counts those
-    for _ in range(start, end, BLOCK_N):
+    blk = 0
+    # (not hoisted: the MMA descriptors of every decoder part and step would be held across
+    # the loop, and spill)
+    for _ in tl.range(start, end, BLOCK_N, disable_licm=True):
         zslot = blk % Z_STAGES
         mbarrier.wait(z_ready.index(zslot), (blk // Z_STAGES) & 1)
-        for h in gl.static_range(HEADS):
-            k = warpgroup_mma(z_bufs.index(zslot), dec.index(h), zero_k, use_acc=False,
-                              is_async=True)
-            k = warpgroup_mma_wait(num_outstanding=0, deps=(k,))
-            ka, kb = _halves(k, BLOCK_N, HALF)
-            if HAS_BIAS:
-                if HEADS > 1:
-                    bias_a, bias_b = _key_bias(kb_s, h, hl)
-                ka = ka + bias_a
-                kb = kb + bias_b
-            if HAS_NORM:
-                ss = gl.sum(ka * ka, axis=1) + gl.sum(kb * kb, axis=1)
-                ka = ka * w_a
-                kb = kb * w_b
-            if ROPE == 1:
-                ka, kb = ka * cos - kb * sin, kb * cos + ka * sin
-            slot = i % K_STAGES
-            mbarrier.wait(k_free.index(slot), ((i // K_STAGES) & 1) ^ 1)
-            k_bufs.index(slot).store(_interleave(ka, kb, BLOCK_N, HALF).to(DTYPE))
-            if HAS_NORM:
-                r_bufs.index(slot).store(gl.rsqrt(ss / (2 * HALF) + eps))
-            fence_async_shared()
-            mbarrier.arrive(k_ready.index(slot), count=1)
-            i += 1
+        z = z_bufs.index(zslot)
+        # a block's 2 * HEADS parts in turn, each part's product issued before the part
+        # ahead of it is waited for (nothing is in flight across blocks: ptxas serializes
+        # every MMA when an in-flight accumulator crosses the loop)
+        running = _key_product(z, dec.index(0), zero_k, K_CHUNKS)
+        for t in gl.static_range(2 * HEADS):
+            if t + 1 < 2 * HEADS:
+                ahead = _key_product(z, dec.index(t + 1), zero_k, K_CHUNKS)
+                k = warpgroup_mma_wait(num_outstanding=GROUPS, deps=(running,))
+            else:
+                ahead = running
+                k = warpgroup_mma_wait(num_outstanding=0, deps=(running,))
+            if t % 2 == 0:
+                if ADD_BIAS and HEADS > 1:
+                    bias_a0, bias_b0 = _key_bias(kb_s, t // 2, 0, hl)
+                key, ss0 = _key_part(k, w_a0, w_b0, cos0, sin0, bias_a0, bias_b0, Q, ROPE,
+                                     ADD_BIAS, HAS_NORM, DTYPE)
+                slot = i % K_STAGES
+                mbarrier.wait(k_free.index(slot), ((i // K_STAGES) & 1) ^ 1)
+                k_bufs.index(2 * slot).store(key)
+            else:
+                if ADD_BIAS and HEADS > 1:
+                    bias_a1, bias_b1 = _key_bias(kb_s, t // 2, 1, hl)
+                key, ss1 = _key_part(k, w_a1, w_b1, cos1, sin1, bias_a1, bias_b1, Q, ROPE,
+                                     ADD_BIAS, HAS_NORM, DTYPE)
+                k_bufs.index(2 * slot + 1).store(key)
+                if HAS_NORM:
+                    r_bufs.index(slot).store(gl.rsqrt((ss0 + ss1) / (2 * HALF) + eps))
+                fence_async_shared()
+                mbarrier.arrive(k_ready.index(slot), count=1)
+                i += 1
+            running = ahead
         blk += 1
 
 
 @gluon.jit
-def _query_halves(q_ptr, q_sb, q_sh, b, kvh0, GROUP, HEADS: gl.constexpr, HALF: gl.constexpr,
-                  BLOCK_M: gl.constexpr):
+def _query_halves(q_ptr, q_sb, q_sh, b, kvh0, GROUP, part: gl.constexpr, HEADS: gl.constexpr,
+                  HALF: gl.constexpr, BLOCK_M: gl.constexpr):
     """The query heads of kv heads ``kvh0 .. kvh0 + HEADS - 1`` as float32 ``(dims d, dims
-    d + HALF)``, each ``(BLOCK_M, HALF)`` (rows past them zero)."""
-    ql: gl.constexpr = gl.BlockedLayout([1, HALF // 8], [4, 8], [4, 1], [1, 0])
+    d + HALF)`` for ``d`` in column half ``part`` of the keys (``part * HALF / 2 + [0, HALF /
+    2)``), each ``(BLOCK_M, HALF / 2)`` (rows past them zero)."""
+    Q: gl.constexpr = HALF // 2
+    ql: gl.constexpr = gl.BlockedLayout([1, Q // 8], [4, 8], [4, 1], [1, 0])
     g = gl.arange(0, BLOCK_M, gl.SliceLayout(1, ql))
-    d = gl.arange(0, HALF, gl.SliceLayout(0, ql))
+    d = part * Q + gl.arange(0, Q, gl.SliceLayout(0, ql))
     rows = q_ptr + b * q_sb + (kvh0 * GROUP + g)[:, None] * q_sh + d[None, :]
     ok = (g < HEADS * GROUP)[:, None] & (d < HALF)[None, :]
     return (gl.load(rows, mask=ok, other=0.0).to(gl.float32),
@@ -346,10 +420,11 @@ def _query_halves(q_ptr, q_sb, q_sh, b, kvh0, GROUP, HEADS: gl.constexpr, HALF: 
 
 
 @gluon.jit
-def _base_angle(base, cos_a, sin_a, cos_b, sin_b, HALF: gl.constexpr, layout: gl.constexpr):
-    """``(cos, sin)`` of position ``base``'s angles, ``(HALF,)`` in ``SliceLayout(0, layout)``:
-    the exact tables combined by the angle-sum formula."""
-    d = gl.arange(0, HALF, gl.SliceLayout(0, layout))
+def _base_angle(base, cos_a, sin_a, cos_b, sin_b, part: gl.constexpr, HALF: gl.constexpr,
+                layout: gl.constexpr):
+    """``(cos, sin)`` of position ``base``'s angles for column half ``part``, ``(HALF / 2,)`` in
+    ``SliceLayout(0, layout)``: the exact tables combined by the angle-sum formula."""
+    d = part * (HALF // 2) + gl.arange(0, HALF // 2, gl.SliceLayout(0, layout))
     lo = (base & RADIX_MASK) * HALF + d
     hi = (base >> RADIX_BITS) * HALF + d
     return _angle_sum(gl.load(cos_a + lo), gl.load(sin_a + lo), gl.load(cos_b + hi),
@@ -361,13 +436,12 @@ def _turned_query(qa, qb, q_buf, c, s, HALF: gl.constexpr, BLOCK_M: gl.constexpr
                   DTYPE: gl.constexpr, ROPE: gl.constexpr):
     """``q_buf`` = the query turned back by a block's base angle ``(c, s)`` (the transpose of
     RoPE's rotation: ``q . R(base + r) k = R(base)^T q . R(r) k``), head dims interleaved;
-    as it is without RoPE."""
+    as it is without RoPE. One column half of the keys (the caller fences)."""
     if ROPE == 1:
         c = c[None, :]
         s = s[None, :]
         qa, qb = qa * c + qb * s, qb * c - qa * s
-    q_buf.store(_interleave(qa, qb, BLOCK_M, HALF).to(DTYPE))
-    fence_async_shared()
+    q_buf.store(_interleave(qa, qb, BLOCK_M, HALF // 2).to(DTYPE))
 
 
 @gluon.jit
@@ -388,16 +462,22 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
                                                  instr_shape=[16, BLOCK_M, 16])
     b, kvh0, split, start, end = _split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS)
     sink = gl.load(slen_ptr + b)
-    qa, qb = _query_halves(q_ptr, q_sb, q_sh, b, kvh0, GROUP, HEADS, HALF, BLOCK_M)
-    ql: gl.constexpr = qa.type.layout
+    qa0, qb0 = _query_halves(q_ptr, q_sb, q_sh, b, kvh0, GROUP, 0, HEADS, HALF, BLOCK_M)
+    qa1, qb1 = _query_halves(q_ptr, q_sb, q_sh, b, kvh0, GROUP, 1, HEADS, HALF, BLOCK_M)
+    ql: gl.constexpr = qa0.type.layout
     if ROPE == 1:  # the first block's base angle (each block loads the next one's)
         # (clamped into the sequence: a split past its end has no angle in the tables)
-        turn_c, turn_s = _base_angle(sink + gl.minimum(start, gl.maximum(end - 1, 0)), cos_a,
-                                     sin_a, cos_b, sin_b, HALF, ql)
+        first = sink + gl.minimum(start, gl.maximum(end - 1, 0))
+        turn_c0, turn_s0 = _base_angle(first, cos_a, sin_a, cos_b, sin_b, 0, HALF, ql)
+        turn_c1, turn_s1 = _base_angle(first, cos_a, sin_a, cos_b, sin_b, 1, HALF, ql)
     else:
-        turn_c = gl.zeros([HALF], gl.float32, gl.SliceLayout(0, ql))
-        turn_s = turn_c
-        _turned_query(qa, qb, q_buf, turn_c, turn_s, HALF, BLOCK_M, DTYPE, ROPE)
+        turn_c0 = gl.zeros([HALF // 2], gl.float32, gl.SliceLayout(0, ql))
+        turn_s0 = turn_c0
+        turn_c1 = turn_c0
+        turn_s1 = turn_c0
+        _turned_query(qa0, qb0, q_buf.index(0), turn_c0, turn_s0, HALF, BLOCK_M, DTYPE, ROPE)
+        _turned_query(qa1, qb1, q_buf.index(1), turn_c1, turn_s1, HALF, BLOCK_M, DTYPE, ROPE)
+        fence_async_shared()
     sn = gl.arange(0, BLOCK_N, gl.SliceLayout(1, sl))
     m = gl.full([BLOCK_M], NEG_BIG, gl.float32, gl.SliceLayout(0, sl))
     # the weight sums per (row, head), summed over rows once at the end
@@ -409,16 +489,24 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
     i = 0
     for n0 in range(start, end, BLOCK_N):
         if ROPE == 1:  # (the previous block's score product has finished reading q_buf)
-            _turned_query(qa, qb, q_buf, turn_c, turn_s, HALF, BLOCK_M, DTYPE, ROPE)
+            _turned_query(qa0, qb0, q_buf.index(0), turn_c0, turn_s0, HALF, BLOCK_M, DTYPE,
+                          ROPE)
+            _turned_query(qa1, qb1, q_buf.index(1), turn_c1, turn_s1, HALF, BLOCK_M, DTYPE,
+                          ROPE)
+            fence_async_shared()
             # the next block's angle loads while this block is scored
-            turn_c, turn_s = _base_angle(sink + gl.minimum(n0 + BLOCK_N, end - 1), cos_a,
-                                         sin_a, cos_b, sin_b, HALF, ql)
+            nxt = sink + gl.minimum(n0 + BLOCK_N, end - 1)
+            turn_c0, turn_s0 = _base_angle(nxt, cos_a, sin_a, cos_b, sin_b, 0, HALF, ql)
+            turn_c1, turn_s1 = _base_angle(nxt, cos_a, sin_a, cos_b, sin_b, 1, HALF, ql)
         for h in gl.static_range(HEADS):
             t = i * HEADS + h  # (the key buffers' ring counts (block, head) pairs)
             slot = t % K_STAGES
             mbarrier.wait(k_ready.index(slot), (t // K_STAGES) & 1)
-            sh = warpgroup_mma(k_bufs.index(slot), q_buf.permute((1, 0)), zero_s,
+            # (the keys' two column halves, each against its half of the query)
+            sh = warpgroup_mma(k_bufs.index(2 * slot), q_buf.index(0).permute((1, 0)), zero_s,
                                use_acc=False, is_async=True)
+            sh = warpgroup_mma(k_bufs.index(2 * slot + 1), q_buf.index(1).permute((1, 0)), sh,
+                               is_async=True)
             sh = warpgroup_mma_wait(num_outstanding=0, deps=(sh,))
             if HAS_NORM:
                 sh = sh * r_bufs.index(slot).load(gl.SliceLayout(1, sl))[:, None]
@@ -464,37 +552,49 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                      BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr, BLOCK_W: gl.constexpr,
                      BYTES: gl.constexpr, WORD_BYTES: gl.constexpr, FAST: gl.constexpr,
                      WORDS: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
-                     PREFETCH: gl.constexpr, UNPACK_REGS: gl.constexpr, KEY_REGS: gl.constexpr):
+                     PREFETCH: gl.constexpr, BIAS_CODE: gl.constexpr, K_CHUNKS: gl.constexpr,
+                     UNPACK_REGS: gl.constexpr, KEY_REGS: gl.constexpr):
     kvh0 = (gl.program_id(1) % KV_GROUPS) * HEADS
-    # the key decoders (BLOCK_W, 2 * HALF) of the program's kv heads, head dims interleaved
-    # and rows in the code tile's column order, go to shared memory once (the key products'
-    # B operands), their biases beside them
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    # the key decoders of the program's kv heads go to shared memory once (the key products'
+    # B operands), each in two column halves (BLOCK_W, HALF), head dims interleaved and rows
+    # in the code tile's column order; with BIAS_CODE >= 0 the bias (as two 16-bit parts, so
+    # it stays exact to ~2^-16) in the rows of code coordinates BIAS_CODE and the next pad
+    # byte's, whose codes are ones; else the biases beside them in float32
+    Q: gl.constexpr = HALF // 2
+    BIAS_PAD: gl.constexpr = BIAS_CODE >= 0
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HALF // 8), HALF // 8], [4, 1], [1, 0])
     c = gl.arange(0, BLOCK_W, gl.SliceLayout(1, ld))
     code = _code_of(c, BLOCK_B, FAST)
-    j = gl.arange(0, 2 * HALF, gl.SliceLayout(0, ld))
-    dim = (j >> 1) + (j & 1) * HALF
-    dec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_W, 2 * HALF], DTYPE)
-    dec = gl.allocate_shared_memory(DTYPE, [HEADS, BLOCK_W, 2 * HALF], dec_layout)
+    dec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_W, HALF], DTYPE)
+    dec = gl.allocate_shared_memory(DTYPE, [2 * HEADS, BLOCK_W, HALF], dec_layout)
     bl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    dd = gl.arange(0, HALF, bl)
+    dd = gl.arange(0, Q, bl)
     kb_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    kb_s = gl.allocate_shared_memory(gl.float32, [2 * HEADS, HALF], kb_layout)
+    kb_s = gl.allocate_shared_memory(gl.float32, [4 * HEADS, Q], kb_layout)
     # (a loop, neither unrolled nor hoisted: one head's decoder in registers at a time)
     for h in tl.range(0, HEADS, disable_licm=True):
-        rows = kd_ptr + (kvh0 + h) * kd_sh + dim[None, :] * kd_sd + code[:, None] * kd_sw
-        ok = (code < WIDTH)[:, None] & (j < 2 * HALF)[None, :]
-        dec.index(h).store(gl.load(rows, mask=ok, other=0.0))
-        if HAS_BIAS:
-            kb_row = kb_ptr + (kvh0 + h) * kb_sh + dd
-            kb_s.index(2 * h).store(gl.load(kb_row).to(gl.float32))
-            kb_s.index(2 * h + 1).store(gl.load(kb_row + HALF).to(gl.float32))
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 2 * HALF], DTYPE)
-    q_buf = gl.allocate_shared_memory(DTYPE, [BLOCK_M, 2 * HALF], q_layout)
+        for part in gl.static_range(2):
+            j = part * HALF + gl.arange(0, HALF, gl.SliceLayout(0, ld))
+            dim = (j >> 1) + (j & 1) * HALF
+            rows = kd_ptr + (kvh0 + h) * kd_sh + dim[None, :] * kd_sd + code[:, None] * kd_sw
+            tile = gl.load(rows, mask=(code < WIDTH)[:, None], other=0.0)
+            if BIAS_PAD:
+                bias = gl.load(kb_ptr + (kvh0 + h) * kb_sh + dim).to(gl.float32)
+                high = bias.to(DTYPE)
+                low = (bias - high.to(gl.float32)).to(DTYPE)
+                tile = gl.where((code == BIAS_CODE)[:, None], high[None, :], tile)
+                tile = gl.where((code == BIAS_CODE + 8 // BITS)[:, None], low[None, :], tile)
+            dec.index(2 * h + part).store(tile)
+            if HAS_BIAS and not BIAS_PAD:
+                kb_row = kb_ptr + (kvh0 + h) * kb_sh + part * Q + dd
+                kb_s.index(4 * h + part).store(gl.load(kb_row).to(gl.float32))
+                kb_s.index(4 * h + 2 + part).store(gl.load(kb_row + HALF).to(gl.float32))
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], DTYPE)
+    q_buf = gl.allocate_shared_memory(DTYPE, [2, BLOCK_M, HALF], q_layout)
     z_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_W], DTYPE)
     z_bufs = gl.allocate_shared_memory(DTYPE, [Z_STAGES, BLOCK_N, BLOCK_W], z_layout)
-    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 2 * HALF], DTYPE)
-    k_bufs = gl.allocate_shared_memory(DTYPE, [K_STAGES, BLOCK_N, 2 * HALF], k_layout)
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], DTYPE)
+    k_bufs = gl.allocate_shared_memory(DTYPE, [2 * K_STAGES, BLOCK_N, HALF], k_layout)
     r_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     r_bufs = gl.allocate_shared_memory(gl.float32, [K_STAGES, BLOCK_N], r_layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], DTYPE)
@@ -518,10 +618,10 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                    DTYPE, FAST, Z_STAGES, K_STAGES)),
         (_unpacker, (codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_GROUPS, SPLIT_LEN, c_sb,
                      c_sn, HEADS, NBYTES, BITS, BLOCK_B, BYTES, WORD_BYTES, DTYPE, FAST, WORDS,
-                     Z_STAGES, PREFETCH)),
+                     Z_STAGES, PREFETCH, 1 if BIAS_PAD else 0)),
         (_keys, (alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s,
                  z_ready, k_ready, k_free, KV_GROUPS, SPLIT_LEN, HEADS, HALF, ROPE, HAS_BIAS,
-                 HAS_NORM, DTYPE, Z_STAGES, K_STAGES)),
+                 BIAS_PAD, HAS_NORM, DTYPE, K_CHUNKS, Z_STAGES, K_STAGES)),
     ], [4, 4], [UNPACK_REGS, KEY_REGS])
 
 
@@ -556,6 +656,8 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
     # as they are, other rows as aligned words shifted into place (codes starting at a word)
     fast = bits == 4 and block_b >= 64 and (vec >= 4 or codes.data_ptr() % 4 == 0)
     words = fast and vec < 4
+    bias_code, k_chunks = ws_code_columns(width, bits, nbytes, fast, words,
+                                          p.key_bias is not None, **WS_TUNING)
     args = [p.query, codes, p.archived_lengths, p.sink_lengths, kd, kb, kn,
             cos_a, sin_a, cos_b, sin_b, acc, ml, p.scale * LOG2E, p.eps,
             p.query.stride(0), p.query.stride(1), codes.stride(0), codes.stride(1),
@@ -570,6 +672,7 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
                   Z_STAGES=code_stages, K_STAGES=key_stages,
                   # (H200, b8 128K: prefetching 8% faster for GPT-2, 6% slower at Qwen3 32x)
                   PREFETCH=fast and kind == 0,
+                  BIAS_CODE=bias_code, K_CHUNKS=k_chunks,
                   UNPACK_REGS=regs[1], KEY_REGS=regs[2])
     return args, consts, {"num_warps": 4, "maxnreg": regs[0]}
 

@@ -13,7 +13,15 @@ from kernels import (
     reference_fsq_decode_attention,
     validate_fsq_args,
 )
-from kernels._fsq_plan import SPLIT_TUNING, scratch_bytes, splits_for, uses_ws, ws_limit
+from kernels._fsq_plan import (
+    SPLIT_TUNING,
+    WS_TUNING,
+    scratch_bytes,
+    splits_for,
+    uses_ws,
+    ws_code_columns,
+    ws_limit,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -152,6 +160,45 @@ def test_gpu_warp_specialized_kernel_matches_the_split_kernel(shape, width, leve
         out = _split_kernel(case, ws=True, num_splits=splits)
         assert_rows_close(out, ref)
         torch.testing.assert_close(out, split, rtol=2e-2, atol=2e-3)
+
+
+@pytest.fixture
+def ws_tuning():
+    """Sets ``WS_TUNING`` knobs for one test and puts the shipped ones back."""
+    saved = dict(WS_TUNING)
+
+    def set_knobs(**knobs):
+        WS_TUNING.update(knobs)
+        ws_code_columns.cache_clear()
+
+    yield set_knobs
+    set_knobs(**saved)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU")
+@pytest.mark.parametrize("knobs", [{}, {"bias_pad": False}, {"trim": False}],
+                         ids=["shipped", "bias-apart", "all-columns"])
+@pytest.mark.parametrize("width,bias,offset", [
+    (84, True, 0),  # 42-byte rows read as shifted words: the bias in pad bytes 44 and 45
+    (83, True, 0),  # an odd width: the last byte's high nibble is no code
+    (84, True, 2),  # codes 2 bytes past a word: the byte-wise unpack, pad bytes from 42
+    (84, False, 0),
+    (192, True, 0),  # whole words
+])
+def test_gpu_warp_specialized_code_columns(ws_tuning, knobs, width, bias, offset):
+    # the bias carried by the padding bytes' codes and the trimmed key product, each on and
+    # off, whatever the bytes past a row hold (random codes fill every byte)
+    ws_tuning(**knobs)
+    case = make_fsq_case(batch=3, width=width, archived=700, sinks=4, recent=8,
+                         dtype=torch.bfloat16, device="cuda", bias=bias,
+                         archived_lengths=[700, 130, 3], **QWEN3)
+    codes = case["codes"]
+    case["codes"] = torch.randint(0, 256, (codes.numel() + offset,), dtype=torch.uint8,
+                                  device="cuda")[offset:].view(codes.shape)
+    case["codes"][..., -1] &= 0x0F if width % 2 else 0xFF  # (fsq_pack's zero nibble)
+    assert uses_ws(validate_fsq_args(**case))
+    for splits in (None, 1):
+        check(case, num_splits=splits)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU")

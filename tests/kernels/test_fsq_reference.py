@@ -32,11 +32,14 @@ from kernels._fsq_plan import (
     best_split_len,
     choose_num_splits,
     default_block_n,
+    pow2_chunks,
     scratch_bytes,
     split_count,
     splits_for,
     theta_tables,
     uses_ws,
+    ws_block_bytes,
+    ws_code_columns,
     ws_heads,
     ws_limit,
     ws_shared_bytes,
@@ -218,6 +221,81 @@ def test_kv_heads_per_program_are_the_most_that_fit(kv_heads, group, width, head
                                               bias)
     assert heads == max(allowed)
     assert (code_stages, key_stages) == ((3, 2) if heads == 1 else buffers(heads))
+
+
+@given(start=st.integers(0, 64).map(lambda i: 16 * i), count=st.integers(0, 512))
+def test_pow2_chunks_cover_whole_mma_steps(start, count):
+    chunks = pow2_chunks(start, count)
+    sizes = [size for _, size in chunks]
+    assert sum(sizes) == -(-count // 16) * 16  # whole steps of 16, nothing more
+    assert all(size >= 16 and size & (size - 1) == 0 for size in sizes)
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+    assert [first for first, _ in chunks] == [start + sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def _tile_product(width, bits, fast, words, bias, bias_pad, trim, codes, decoder, rng):
+    """One position's key product as the warp-specialized kernel forms it, in integers: the
+    unpack's code tile (the row's bytes; for shifted words the next row's bytes up to the
+    word's end; 1 from there on) times the decoder rows the prologue stores, over the
+    columns ``ws_code_columns`` keeps."""
+    step, nbytes = 8 // bits, math.ceil(width * bits / 8)
+    block_b = ws_block_bytes(width, bits)
+    bias_code, chunks = ws_code_columns(width, bits, nbytes, fast, words, bias is not None,
+                                        bias_pad, trim)
+    row = [0] * nbytes
+    for k, code in enumerate(codes):
+        row[k // step] |= code << (bits * (k % step))
+    first_pad = -(-nbytes // 4) * 4 if words else nbytes
+    row += [int(b) for b in rng.integers(0, 256, first_pad - nbytes)]  # the next row's
+    row += [1] * (block_b - len(row))
+    columns = range(2 * block_b) if fast else range(block_b * step)
+    coordinate = [2 * (c % block_b) + c // block_b if fast else c for c in columns]
+    value = [(row[k // step] >> (bits * (k % step))) & ((1 << bits) - 1) for k in coordinate]
+    high, low = (bias // 3, bias - bias // 3) if bias is not None else (0, 0)
+
+    def decoder_row(k):
+        if k < width:
+            return decoder[k]
+        return high if k == bias_code else low if bias_code >= 0 and k == bias_code + step else 0
+
+    kept = [c for first, count in chunks for c in range(first, first + count)] or columns
+    assert all(c < len(columns) for c in kept) and len(set(kept)) == len(kept)
+    product = sum(value[c] * decoder_row(coordinate[c]) for c in kept)
+    return product + (bias if bias is not None and bias_code < 0 else 0), bias_code, chunks
+
+
+@given(width=st.integers(1, 256), bits=st.sampled_from([4, 8]), data=st.data(),
+       bias_pad=st.booleans(), trim=st.booleans(), with_bias=st.booleans())
+def test_code_columns_of_the_warp_specialized_kernel_keep_the_product(width, bits, data,
+                                                                      bias_pad, trim,
+                                                                      with_bias):
+    """The bias carried by the padding bytes' ones and the trimmed columns give the product
+    over all codes plus the bias, whatever the next row's bytes are."""
+    import numpy as np
+
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    fast = bits == 4 and ws_block_bytes(width, bits) >= 64 and data.draw(st.booleans())
+    words = fast and data.draw(st.booleans())
+    codes = [int(c) for c in rng.integers(0, 1 << bits, width)]
+    decoder = [int(d) for d in rng.integers(-1000, 1000, width)]
+    bias = int(rng.integers(-10**6, 10**6)) if with_bias else None
+    product, bias_code, chunks = _tile_product(width, bits, fast, words, bias, bias_pad, trim,
+                                               codes, decoder, rng)
+    assert product == sum(c * d for c, d in zip(codes, decoder, strict=True)) + (bias or 0)
+    assert bias_code < 0 or (with_bias and bias_pad)
+    assert chunks == () or trim
+
+
+def test_code_columns_of_the_models():
+    # Qwen3-8B at 97.5x (84 codes, 42-byte rows read as shifted words): the bias in the codes
+    # of pad bytes 44 and 45, 96 of the 128 columns multiplied (6 MMA steps of 16)
+    assert ws_code_columns(84, 4, 42, True, True, True) == (
+        88, ((0, 32), (32, 16), (64, 32), (96, 16)))
+    # GPT-2 (192 codes, 96-byte rows of whole words): 208 of 256 columns, 13 steps of 16
+    assert ws_code_columns(192, 4, 96, True, False, True) == (
+        192, ((0, 64), (64, 32), (96, 16), (128, 64), (192, 32)))
+    # Qwen3-8B at 32x (256 codes fill the 128-byte rows): no padding, every column
+    assert ws_code_columns(256, 4, 128, True, False, True) == (-1, ())
 
 
 def test_routing_on_a_pretend_hopper(monkeypatch):

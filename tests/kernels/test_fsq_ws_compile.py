@@ -69,7 +69,8 @@ def _compile(case):
     assert consts["WORDS"] == (consts["FAST"] and words)
     # kv heads per program and code buffers as the plan counts them
     assert (consts["HEADS"], consts["Z_STAGES"], consts["K_STAGES"]) == ws_program_heads(problem)
-    return problem, triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return problem, consts, kernel
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -85,12 +86,14 @@ def _compile(case):
 ], ids=["qwen3-32x", "qwen3-97.5x", "gpt2", "group16-256levels", "w24", "w16-256levels",
         "qwen3-32x-fp16"])
 def test_warp_specialized_kernel_compiles_for_hopper(kwargs):
-    problem, kernel = _compile(make_fsq_case(batch=2, archived=300, **kwargs))
-    # the launcher's buffers, as the plan counts them, bound what the kernel takes
+    problem, consts, kernel = _compile(make_fsq_case(batch=2, archived=300, **kwargs))
+    # the launcher's buffers, as the plan counts them, bound what the kernel takes (the
+    # float32 biases only where the bias does not ride in the key product)
     heads, code_stages, key_stages = ws_program_heads(problem)
+    biases = problem.key_bias is not None and consts["BIAS_CODE"] < 0
     counted = ws_shared_bytes(problem.width, problem.query.shape[2],
                               uniform_bits(problem.levels), problem.k_norm is not None, heads,
-                              code_stages, problem.key_bias is not None, key_stages)
+                              code_stages, biases, key_stages)
     assert counted <= kernel.metadata.shared <= counted + WS_SHARED_SLACK <= WS_SHARED_LIMIT
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "mbarrier.try_wait" in ptx
@@ -109,6 +112,6 @@ def test_rows_off_word_boundaries_take_the_general_unpack():
     codes = case["codes"]
     shifted = torch.zeros(codes.numel() + 2, dtype=torch.uint8)[2:].view(codes.shape)
     shifted.copy_(codes)
-    problem, kernel = _compile(dict(case, codes=shifted))
+    problem, _, kernel = _compile(dict(case, codes=shifted))
     assert problem.codes.data_ptr() % 4 == 2
     assert "0x000F000F" not in kernel.asm["ptx"] and "shf.r.clamp" not in kernel.asm["ptx"]
