@@ -334,16 +334,19 @@ def heads_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
     return out
 
 
-WS_VARIANTS = ({}, {"bias_pad": False}, {"trim": False}, {"bias_pad": False, "trim": False})
+WS_VARIANTS = ({}, {"bias_pad": False}, {"trim": False}, {"bias_pad": False, "trim": False},
+               {"key_ahead": False},
+               {"bias_pad": False, "trim": False, "key_ahead": False})
 
 
 def variants_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
                    check_context=4096):
-    """The warp-specialized kernel's code-column knobs (``_fsq_plan.WS_TUNING``: the key
-    bias carried by the padding bytes' codes, the key product trimmed to the columns that
-    hold codes) on and off at each config, CUDA-graph time; every variant first checked
-    against the float32 reference on a ``check_context`` case (a wrong one is recorded as
-    such, never timed). ``{}`` in a row's label is the shipped setting."""
+    """The warp-specialized kernel's knobs (``_fsq_plan.WS_TUNING``: the key bias carried by
+    the padding bytes' codes, the key product trimmed to the columns that hold codes, the
+    next key product issued before the one in hand is waited for) on and off at each
+    config, CUDA-graph time; every variant first checked against the float32 reference on a
+    ``check_context`` case (a wrong one is recorded as such, never timed). A row's
+    ``shipped`` is the setting the kernel ships with."""
     import torch
     from fsq_cases import assert_rows_close
 
@@ -501,7 +504,7 @@ def main(argv=None):
     ap.add_argument("--heads", action="store_true", help="only the warp-specialized kernel's "
                     "kv heads per program and buffers (Hopper)")
     ap.add_argument("--variants", action="store_true", help="only the warp-specialized "
-                    "kernel's code-column knobs on and off (Hopper)")
+                    "kernel's knobs (_fsq_plan.WS_TUNING) on and off (Hopper)")
     ap.add_argument("--eager", action="store_true", help="only the host-side cost of a call "
                     "(validated, trusted path, SDPA) at a few small shapes")
     ap.add_argument("--plot", type=Path, help="print the table of a saved result")

@@ -259,9 +259,11 @@ def ws_block_bytes(width: int, bits: int) -> int:
     return max(pow2(math.ceil(width * bits / 8), 16), 64 * bits // 8)
 
 
-# the warp-specialized kernel's code-column knobs (bench/fsq_kernels.py --variants turns them
-# off to time the difference in one process)
-WS_TUNING = {"bias_pad": True, "trim": True}
+# the warp-specialized kernel's knobs (bench/fsq_kernels.py --variants turns them off to
+# time the difference in one process): the key bias carried in the padding codes and the key
+# product trimmed to the code columns (ws_code_columns), and the keys partition's next key
+# product issued before the one in hand is waited for
+WS_TUNING = {"bias_pad": True, "trim": True, "key_ahead": True}
 
 
 @functools.lru_cache(maxsize=256)

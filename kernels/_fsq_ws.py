@@ -330,8 +330,7 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
           k_ready, k_free, KV_GROUPS, SPLIT_LEN, HEADS: gl.constexpr, HALF: gl.constexpr,
           ROPE: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_PAD: gl.constexpr,
           HAS_NORM: gl.constexpr, DTYPE: gl.constexpr, K_CHUNKS: gl.constexpr,
-          Z_STAGES: gl.constexpr,
-          K_STAGES: gl.constexpr):
+          KEY_AHEAD: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr):
     """Partition 2: codes -> keys, a block's ``HEADS`` kv heads one after another, each in two
     column halves (``part``s) of the key product, whose warp-group MMAs are pipelined: the
     product of the next part (of this head, the next head or the next block's first) runs
@@ -374,12 +373,12 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
         # every MMA when an in-flight accumulator crosses the loop)
         running = _key_product(z, dec.index(0), zero_k, K_CHUNKS)
         for t in gl.static_range(2 * HEADS):
-            if t + 1 < 2 * HEADS:
+            if KEY_AHEAD and t + 1 < 2 * HEADS:
                 ahead = _key_product(z, dec.index(t + 1), zero_k, K_CHUNKS)
                 k = warpgroup_mma_wait(num_outstanding=GROUPS, deps=(running,))
             else:
-                ahead = running
                 k = warpgroup_mma_wait(num_outstanding=0, deps=(running,))
+                ahead = k
             if t % 2 == 0:
                 if ADD_BIAS and HEADS > 1:
                     bias_a0, bias_b0 = _key_bias(kb_s, t // 2, 0, hl)
@@ -399,6 +398,8 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
                 fence_async_shared()
                 mbarrier.arrive(k_ready.index(slot), count=1)
                 i += 1
+            if not KEY_AHEAD and t + 1 < 2 * HEADS:  # (serial: the next part after this one)
+                ahead = _key_product(z, dec.index(t + 1), zero_k, K_CHUNKS)
             running = ahead
         blk += 1
 
@@ -553,6 +554,7 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                      BYTES: gl.constexpr, WORD_BYTES: gl.constexpr, FAST: gl.constexpr,
                      WORDS: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
                      PREFETCH: gl.constexpr, BIAS_CODE: gl.constexpr, K_CHUNKS: gl.constexpr,
+                     KEY_AHEAD: gl.constexpr,
                      UNPACK_REGS: gl.constexpr, KEY_REGS: gl.constexpr):
     kvh0 = (gl.program_id(1) % KV_GROUPS) * HEADS
     # the key decoders of the program's kv heads go to shared memory once (the key products'
@@ -621,7 +623,7 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                      Z_STAGES, PREFETCH, 1 if BIAS_PAD else 0)),
         (_keys, (alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s,
                  z_ready, k_ready, k_free, KV_GROUPS, SPLIT_LEN, HEADS, HALF, ROPE, HAS_BIAS,
-                 BIAS_PAD, HAS_NORM, DTYPE, K_CHUNKS, Z_STAGES, K_STAGES)),
+                 BIAS_PAD, HAS_NORM, DTYPE, K_CHUNKS, KEY_AHEAD, Z_STAGES, K_STAGES)),
     ], [4, 4], [UNPACK_REGS, KEY_REGS])
 
 
@@ -657,7 +659,8 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
     fast = bits == 4 and block_b >= 64 and (vec >= 4 or codes.data_ptr() % 4 == 0)
     words = fast and vec < 4
     bias_code, k_chunks = ws_code_columns(width, bits, nbytes, fast, words,
-                                          p.key_bias is not None, **WS_TUNING)
+                                          p.key_bias is not None, WS_TUNING["bias_pad"],
+                                          WS_TUNING["trim"])
     args = [p.query, codes, p.archived_lengths, p.sink_lengths, kd, kb, kn,
             cos_a, sin_a, cos_b, sin_b, acc, ml, p.scale * LOG2E, p.eps,
             p.query.stride(0), p.query.stride(1), codes.stride(0), codes.stride(1),
@@ -673,6 +676,7 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
                   # (H200, b8 128K: prefetching 8% faster for GPT-2, 6% slower at Qwen3 32x)
                   PREFETCH=fast and kind == 0,
                   BIAS_CODE=bias_code, K_CHUNKS=k_chunks,
+                  KEY_AHEAD=WS_TUNING["key_ahead"],
                   UNPACK_REGS=regs[1], KEY_REGS=regs[2])
     return args, consts, {"num_warps": 4, "maxnreg": regs[0]}
 
