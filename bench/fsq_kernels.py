@@ -335,15 +335,16 @@ def heads_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
 
 
 WS_VARIANTS = ({}, {"bias_pad": False}, {"trim": False}, {"bias_pad": False, "trim": False},
-               {"key_ahead": False},
-               {"bias_pad": False, "trim": False, "key_ahead": False})
+               {"key_ahead": False}, {"bias_mma": False},
+               {"bias_pad": False, "trim": False, "key_ahead": False, "bias_mma": False})
 
 
 def variants_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
                    check_context=4096):
     """The warp-specialized kernel's knobs (``_fsq_plan.WS_TUNING``: the key bias carried by
     the padding bytes' codes, the key product trimmed to the columns that hold codes, the
-    next key product issued before the one in hand is waited for) on and off at each
+    next key product issued before the one in hand is waited for, the bias elsewhere added
+    by one more MMA step) on and off at each
     config, CUDA-graph time; every variant first checked against the float32 reference on a
     ``check_context`` case (a wrong one is recorded as such, never timed). A row's
     ``shipped`` is the setting the kernel ships with."""
@@ -529,11 +530,12 @@ def main(argv=None):
             if out == DEFAULT_OUT:
                 out = DEFAULT_OUT.with_name(f"fsq_kernels_{flag}.json")
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps({flag: measure()}, indent=1))
+            out.write_text(json.dumps({flag: measure(),
+                                       "device": torch.cuda.get_device_name()}, indent=1))
             return
     contexts = args.contexts or ([4096, 32768] if args.quick else [4096, 16384, 32768, 131072])
     batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
-    data = {}
+    data = {"device": torch.cuda.get_device_name()}  # (timings compare within one card only)
     tuning = None
     if args.sweep:
         data["sweep"] = sweep()

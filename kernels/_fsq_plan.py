@@ -212,14 +212,15 @@ def ws_shared_bytes(width: int, head_dim: int, bits: int, norm: bool = True, hea
                     code_stages: int = WS_CODE_STAGES, bias: bool = True,
                     key_stages: int = 2) -> int:
     """Shared memory of the warp-specialized kernel's buffers, bytes: the key decoders (and
-    with ``bias`` the float32 biases, which the kernel keeps only where the bias does not
-    ride in the key product: :func:`ws_code_columns`) of ``heads`` kv heads,
+    with ``bias`` the biases as the extra MMA step's ``(16, head_dim)`` tile, which the
+    kernel keeps only where the bias does not ride in padding codes:
+    :func:`ws_code_columns`) of ``heads`` kv heads,
     ``code_stages`` code buffers, ``key_stages`` key buffers (and with ``norm`` their
     RMSNorm scales), the query and the weights. ``block_w`` as the launcher pads it."""
     block_w = ws_block_bytes(width, bits) * (8 // bits)
     return (heads * 2 * block_w * head_dim + code_stages * 2 * WS_BLOCK_N * block_w
             + key_stages * (2 * WS_BLOCK_N * head_dim + (4 * WS_BLOCK_N if norm else 0))
-            + 2 * 16 * head_dim + 2 * WS_BLOCK_N * 16 + (heads * 4 * head_dim if bias else 0))
+            + 2 * 16 * head_dim + 2 * WS_BLOCK_N * 16 + (heads * 32 * head_dim if bias else 0))
 
 
 WS_MAX_HEADS = 4  # kv heads one program of the warp-specialized kernel takes at most
@@ -262,8 +263,9 @@ def ws_block_bytes(width: int, bits: int) -> int:
 # the warp-specialized kernel's knobs (bench/fsq_kernels.py --variants turns them off to
 # time the difference in one process): the key bias carried in the padding codes and the key
 # product trimmed to the code columns (ws_code_columns), and the keys partition's next key
-# product issued before the one in hand is waited for
-WS_TUNING = {"bias_pad": True, "trim": True, "key_ahead": True}
+# product issued before the one in hand is waited for, and elsewhere the bias added by one
+# more MMA step (ones times a tile of its two parts) rather than by the keys' float work
+WS_TUNING = {"bias_pad": True, "trim": True, "key_ahead": True, "bias_mma": True}
 
 
 @functools.lru_cache(maxsize=256)

@@ -286,11 +286,14 @@ def _key_bias(kb_s, h, part: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _key_product(z, dec, zero, K_CHUNKS: gl.constexpr):
+def _key_product(z, dec, zero, K_CHUNKS: gl.constexpr, ones, bias_dec,
+                 BIAS_MMA: gl.constexpr):
     """Issue (not wait for) one column half of a block's raw keys, codes ``z`` ``(BLOCK_N,
     BLOCK_W)`` @ decoder part ``dec`` ``(BLOCK_W, HALF)``. With ``K_CHUNKS``, ``(column,
     count)`` pairs of powers of two, only those code columns take part (the others are
-    padding: zero decoder rows); ``len(K_CHUNKS)`` MMA groups, else one over all columns."""
+    padding: zero decoder rows); ``len(K_CHUNKS)`` MMA groups, else one over all columns.
+    With ``BIAS_MMA`` one group more adds the bias: ``ones`` ``(BLOCK_N, 16)`` (registers)
+    @ ``bias_dec`` ``(16, HALF)``, whose first two rows hold its two 16-bit parts."""
     if len(K_CHUNKS) == 0:
         k = warpgroup_mma(z, dec, zero, use_acc=False, is_async=True)
     else:
@@ -301,6 +304,8 @@ def _key_product(z, dec, zero, K_CHUNKS: gl.constexpr):
             k = warpgroup_mma(z.slice(K_CHUNKS[c][0], K_CHUNKS[c][1], dim=1),
                               dec.slice(K_CHUNKS[c][0], K_CHUNKS[c][1], dim=0), k,
                               is_async=True)
+    if BIAS_MMA:
+        k = warpgroup_mma(ones, bias_dec, k, is_async=True)
     return k
 
 
@@ -326,9 +331,10 @@ def _key_part(k, w_a, w_b, cos, sin, bias_a, bias_b, Q: gl.constexpr, ROPE: gl.c
 
 
 @gluon.jit
-def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s, z_ready,
+def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s, kbd, z_ready,
           k_ready, k_free, KV_GROUPS, SPLIT_LEN, HEADS: gl.constexpr, HALF: gl.constexpr,
           ROPE: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_PAD: gl.constexpr,
+          BIAS_MMA: gl.constexpr,
           HAS_NORM: gl.constexpr, DTYPE: gl.constexpr, K_CHUNKS: gl.constexpr,
           KEY_AHEAD: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr):
     """Partition 2: codes -> keys, a block's ``HEADS`` kv heads one after another, each in two
@@ -343,12 +349,15 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
     row, goes to the scores partition, which applies it to the scores. Keys rounded to the
     query's dtype into shared memory, a buffer per part."""
     Q: gl.constexpr = HALF // 2
-    GROUPS: gl.constexpr = max(1, len(K_CHUNKS))  # (MMA groups one _key_product issues)
-    ADD_BIAS: gl.constexpr = HAS_BIAS and not BIAS_PAD
+    # (MMA groups one _key_product issues)
+    GROUPS: gl.constexpr = max(1, len(K_CHUNKS)) + (1 if BIAS_MMA else 0)
+    ADD_BIAS: gl.constexpr = HAS_BIAS and not BIAS_PAD and not BIAS_MMA
     kl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, HALF, 16])
     b, kvh0, split, start, end = _split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS)
     zero_k = gl.zeros([BLOCK_N, HALF], gl.float32, kl)
+    ones = gl.full([BLOCK_N, 16], 1.0, DTYPE,
+                   gl.DotOperandLayout(operand_index=0, parent=kl, k_width=2))
     proto, _ = _halves(zero_k, BLOCK_N, Q)
     hl: gl.constexpr = proto.type.layout
     w_a0, w_b0, cos0, sin0 = _key_constants(kn_ptr, cos_a, sin_a, 0, hl, HALF, ROPE, HAS_NORM)
@@ -371,10 +380,12 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
         # a block's 2 * HEADS parts in turn, each part's product issued before the part
         # ahead of it is waited for (nothing is in flight across blocks: ptxas serializes
         # every MMA when an in-flight accumulator crosses the loop)
-        running = _key_product(z, dec.index(0), zero_k, K_CHUNKS)
+        running = _key_product(z, dec.index(0), zero_k, K_CHUNKS, ones, kbd.index(0),
+                               BIAS_MMA)
         for t in gl.static_range(2 * HEADS):
             if KEY_AHEAD and t + 1 < 2 * HEADS:
-                ahead = _key_product(z, dec.index(t + 1), zero_k, K_CHUNKS)
+                ahead = _key_product(z, dec.index(t + 1), zero_k, K_CHUNKS, ones,
+                                     kbd.index(t + 1), BIAS_MMA)
                 k = warpgroup_mma_wait(num_outstanding=GROUPS, deps=(running,))
             else:
                 k = warpgroup_mma_wait(num_outstanding=0, deps=(running,))
@@ -399,7 +410,8 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
                 mbarrier.arrive(k_ready.index(slot), count=1)
                 i += 1
             if not KEY_AHEAD and t + 1 < 2 * HEADS:  # (serial: the next part after this one)
-                ahead = _key_product(z, dec.index(t + 1), zero_k, K_CHUNKS)
+                ahead = _key_product(z, dec.index(t + 1), zero_k, K_CHUNKS, ones,
+                                     kbd.index(t + 1), BIAS_MMA)
             running = ahead
         blk += 1
 
@@ -554,7 +566,7 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                      BYTES: gl.constexpr, WORD_BYTES: gl.constexpr, FAST: gl.constexpr,
                      WORDS: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
                      PREFETCH: gl.constexpr, BIAS_CODE: gl.constexpr, K_CHUNKS: gl.constexpr,
-                     KEY_AHEAD: gl.constexpr,
+                     KEY_AHEAD: gl.constexpr, BIAS_MMA: gl.constexpr,
                      UNPACK_REGS: gl.constexpr, KEY_REGS: gl.constexpr):
     kvh0 = (gl.program_id(1) % KV_GROUPS) * HEADS
     # the key decoders of the program's kv heads go to shared memory once (the key products'
@@ -573,6 +585,9 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
     dd = gl.arange(0, Q, bl)
     kb_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     kb_s = gl.allocate_shared_memory(gl.float32, [4 * HEADS, Q], kb_layout)
+    kbd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([16, HALF], DTYPE)
+    kbd = gl.allocate_shared_memory(DTYPE, [2 * HEADS, 16, HALF], kbd_layout)
+    r16 = gl.arange(0, 16, gl.SliceLayout(1, ld))
     # (a loop, neither unrolled nor hoisted: one head's decoder in registers at a time)
     for h in tl.range(0, HEADS, disable_licm=True):
         for part in gl.static_range(2):
@@ -587,7 +602,15 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                 tile = gl.where((code == BIAS_CODE)[:, None], high[None, :], tile)
                 tile = gl.where((code == BIAS_CODE + 8 // BITS)[:, None], low[None, :], tile)
             dec.index(2 * h + part).store(tile)
-            if HAS_BIAS and not BIAS_PAD:
+            if BIAS_MMA:
+                bias = gl.load(kb_ptr + (kvh0 + h) * kb_sh + dim).to(gl.float32)
+                high = bias.to(DTYPE)
+                low = (bias - high.to(gl.float32)).to(DTYPE)
+                rows16 = gl.where((r16 == 0)[:, None], high[None, :],
+                                  gl.where((r16 == 1)[:, None], low[None, :],
+                                           gl.zeros([16, HALF], DTYPE, ld)))
+                kbd.index(2 * h + part).store(rows16)
+            elif HAS_BIAS and not BIAS_PAD:
                 kb_row = kb_ptr + (kvh0 + h) * kb_sh + part * Q + dd
                 kb_s.index(4 * h + part).store(gl.load(kb_row).to(gl.float32))
                 kb_s.index(4 * h + 2 + part).store(gl.load(kb_row + HALF).to(gl.float32))
@@ -621,9 +644,10 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
         (_unpacker, (codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_GROUPS, SPLIT_LEN, c_sb,
                      c_sn, HEADS, NBYTES, BITS, BLOCK_B, BYTES, WORD_BYTES, DTYPE, FAST, WORDS,
                      Z_STAGES, PREFETCH, 1 if BIAS_PAD else 0)),
-        (_keys, (alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s,
+        (_keys, (alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s, kbd,
                  z_ready, k_ready, k_free, KV_GROUPS, SPLIT_LEN, HEADS, HALF, ROPE, HAS_BIAS,
-                 BIAS_PAD, HAS_NORM, DTYPE, K_CHUNKS, KEY_AHEAD, Z_STAGES, K_STAGES)),
+                 BIAS_PAD, BIAS_MMA, HAS_NORM, DTYPE, K_CHUNKS, KEY_AHEAD, Z_STAGES,
+                 K_STAGES)),
     ], [4, 4], [UNPACK_REGS, KEY_REGS])
 
 
@@ -677,6 +701,7 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
                   PREFETCH=fast and kind == 0,
                   BIAS_CODE=bias_code, K_CHUNKS=k_chunks,
                   KEY_AHEAD=WS_TUNING["key_ahead"],
+                  BIAS_MMA=p.key_bias is not None and bias_code < 0 and WS_TUNING["bias_mma"],
                   UNPACK_REGS=regs[1], KEY_REGS=regs[2])
     return args, consts, {"num_warps": 4, "maxnreg": regs[0]}
 

@@ -176,18 +176,21 @@ def ws_tuning():
 
 
 @pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU")
-@pytest.mark.parametrize("knobs", [{}, {"bias_pad": False}, {"trim": False}],
-                         ids=["shipped", "bias-apart", "all-columns"])
+@pytest.mark.parametrize("knobs", [{}, {"bias_pad": False}, {"trim": False},
+                                   {"bias_pad": False, "bias_mma": False}],
+                         ids=["shipped", "bias-step", "all-columns", "bias-in-float"])
 @pytest.mark.parametrize("width,bias,offset", [
     (84, True, 0),  # 42-byte rows read as shifted words: the bias in pad bytes 44 and 45
     (83, True, 0),  # an odd width: the last byte's high nibble is no code
     (84, True, 2),  # codes 2 bytes past a word: the byte-wise unpack, pad bytes from 42
     (84, False, 0),
     (192, True, 0),  # whole words
+    (256, True, 0),  # no padding: the bias by one more MMA step
 ])
 def test_gpu_warp_specialized_code_columns(ws_tuning, knobs, width, bias, offset):
-    # the bias carried by the padding bytes' codes and the trimmed key product, each on and
-    # off, whatever the bytes past a row hold (random codes fill every byte)
+    # the bias carried by the padding bytes' codes (else by one more MMA step, else added
+    # to the keys) and the trimmed key product, each on and off, whatever the bytes past a
+    # row hold (random codes fill every byte)
     ws_tuning(**knobs)
     case = make_fsq_case(batch=3, width=width, archived=700, sinks=4, recent=8,
                          dtype=torch.bfloat16, device="cuda", bias=bias,

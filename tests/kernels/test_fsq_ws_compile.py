@@ -87,8 +87,8 @@ def _compile(case):
         "qwen3-32x-fp16"])
 def test_warp_specialized_kernel_compiles_for_hopper(kwargs):
     problem, consts, kernel = _compile(make_fsq_case(batch=2, archived=300, **kwargs))
-    # the launcher's buffers, as the plan counts them, bound what the kernel takes (the
-    # float32 biases only where the bias does not ride in the key product)
+    # the launcher's buffers, as the plan counts them, bound what the kernel takes (the bias
+    # tile only where the bias does not ride in padding codes)
     heads, code_stages, key_stages = ws_program_heads(problem)
     biases = problem.key_bias is not None and consts["BIAS_CODE"] < 0
     counted = ws_shared_bytes(problem.width, problem.query.shape[2],
