@@ -291,10 +291,7 @@ def heads_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
     plan picks for ``batch x kv_heads / heads`` programs. Every choice is first checked
     against the float32 reference on a ``check_context`` case. ``plan`` in a row is what
     ``_fsq_plan.ws_program_heads`` picks."""
-    import torch
-    from fsq_cases import assert_rows_close
-
-    from kernels import _fsq, _fsq_ws, reference_fsq_decode_attention, validate_fsq_args
+    from kernels import _fsq, _fsq_ws
     from kernels._fsq_plan import WS_BLOCK_N, choose_num_splits, ws_program_heads
 
     def run(problem, choice):
@@ -306,27 +303,43 @@ def heads_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
         finally:
             _fsq_ws.launch_split = launch
 
+    return checked_then_timed(
+        run, lambda small: [c for c in WS_CHOICES if ws_fits(small, *c)], _label, points,
+        check_context, lambda problem: {"plan": _label(ws_program_heads(problem))})
+
+
+def checked_then_timed(run, variants_of, label, points, check_context, row_extra=None):
+    """Rows of ``run(problem, variant)``'s CUDA-graph time at each config the warp-specialized
+    kernel takes and each ``(batch, context)`` of ``points``, a column per variant
+    (``label(variant)``) of ``variants_of(small problem)``; every variant is first checked
+    against the float32 reference on a ``check_context`` case, and a wrong one is recorded
+    as such, never timed. ``row_extra(problem)``: more columns of a row."""
+    import torch
+    from fsq_cases import assert_rows_close
+
+    from kernels import reference_fsq_decode_attention, validate_fsq_args
+
     out = []
     for name, shape, width, levels in CONFIGS[1:]:
         rope = name.startswith("qwen3")
         small = fsq_case(shape, width, levels, check_context, 2, rope)
         small_problem = validate_fsq_args(**small)
         ref = reference_fsq_decode_attention(**small, out_dtype=torch.float32)
-        choices = [c for c in WS_CHOICES if ws_fits(small_problem, *c)]
+        variants = variants_of(small_problem)
         wrong = {}
-        for choice in choices:
+        for variant in variants:
             try:
-                assert_rows_close(run(small_problem, choice), ref)
+                assert_rows_close(run(small_problem, variant), ref)
             except AssertionError as exc:
-                wrong[choice] = str(exc)
+                wrong[label(variant)] = str(exc)
         for batch, context in points:
             problem = validate_fsq_args(**fsq_case(shape, width, levels, context, batch, rope))
             row = {"config": name, "batch": batch, "context": context,
-                   "plan": _label(ws_program_heads(problem))}
-            for choice in choices:
-                key = _label(choice)
-                row[key] = ("wrong: " + wrong[choice] if choice in wrong else
-                            time_ms(functools.partial(run, problem, choice), graph=True))
+                   **(row_extra(problem) if row_extra else {})}
+            for variant in variants:
+                key = label(variant)
+                row[key] = ("wrong: " + wrong[key] if key in wrong else
+                            time_ms(functools.partial(run, problem, variant), graph=True))
             out.append(row)
             print(json.dumps(row), flush=True)
             del problem
@@ -344,14 +357,9 @@ def variants_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
     """The warp-specialized kernel's knobs (``_fsq_plan.WS_TUNING``: the key bias carried by
     the padding bytes' codes, the key product trimmed to the columns that hold codes, the
     next key product issued before the one in hand is waited for, the bias elsewhere added
-    by one more MMA step) on and off at each
-    config, CUDA-graph time; every variant first checked against the float32 reference on a
-    ``check_context`` case (a wrong one is recorded as such, never timed). A row's
+    by one more MMA step) on and off at each config, :func:`checked_then_timed`. A row's
     ``shipped`` is the setting the kernel ships with."""
-    import torch
-    from fsq_cases import assert_rows_close
-
-    from kernels import _fsq, reference_fsq_decode_attention, validate_fsq_args
+    from kernels import _fsq
     from kernels._fsq_plan import WS_TUNING, ws_code_columns
 
     def run(problem, knobs):
@@ -367,30 +375,7 @@ def variants_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
     def label(knobs):
         return ",".join(f"{k}={v}" for k, v in knobs.items()) or "shipped"
 
-    out = []
-    for name, shape, width, levels in CONFIGS[1:]:
-        rope = name.startswith("qwen3")
-        small = fsq_case(shape, width, levels, check_context, 2, rope)
-        small_problem = validate_fsq_args(**small)
-        ref = reference_fsq_decode_attention(**small, out_dtype=torch.float32)
-        wrong = {}
-        for knobs in WS_VARIANTS:
-            try:
-                assert_rows_close(run(small_problem, knobs), ref)
-            except AssertionError as exc:
-                wrong[label(knobs)] = str(exc)
-        for batch, context in points:
-            problem = validate_fsq_args(**fsq_case(shape, width, levels, context, batch, rope))
-            row = {"config": name, "batch": batch, "context": context}
-            for knobs in WS_VARIANTS:
-                key = label(knobs)
-                row[key] = ("wrong: " + wrong[key] if key in wrong else
-                            time_ms(functools.partial(run, problem, knobs), graph=True))
-            out.append(row)
-            print(json.dumps(row), flush=True)
-            del problem
-            torch.cuda.empty_cache()
-    return out
+    return checked_then_timed(run, lambda small: WS_VARIANTS, label, points, check_context)
 
 
 def eager_calls(points=((1, 4096), (1, 32768), (8, 32768))):
