@@ -7,11 +7,11 @@ Same scratch as ``_fsq._split_kernel`` (the merge kernel is shared), arranged so
 of block ``i + 2``, the keys of block ``i + 1`` and the scores of block ``i`` run at the same
 time on different warps:
 
-- *unpack* (``_unpacker``): a block's packed rows -> ``(BLOCK_N, BLOCK_W)`` codes in the
-  decoder's dtype (exact: levels <= 256) in a ring of ``Z_STAGES`` buffers; 16-level codes
-  by bit operations (``_nibbles``), even coordinates in the tile's first half, odd ones in
-  the second (``_code_of``); rows that are not whole 4-byte words (97.5x: 42 bytes) read as
-  aligned words and funnel-shifted into place (``_word_bytes``);
+- *unpack* (``_fsq_ws_unpack.unpacker``): a block's packed rows -> ``(BLOCK_N, BLOCK_W)``
+  codes in the decoder's dtype (exact: levels <= 256) in a ring of ``Z_STAGES`` buffers;
+  16-level codes by bit operations, even coordinates in the tile's first half, odd ones in
+  the second (``code_of``); rows that are not whole 4-byte words (97.5x: 42 bytes) read as
+  aligned words and funnel-shifted into place;
 - *keys* (``_keys``): one warp-group MMA per block and kv head against its decoder (in
   shared memory for the whole program, head dims interleaved so RoPE's pairs sit in one
   thread), bias, the RMSNorm weight and RoPE by the angle of each position's offset in its
@@ -29,8 +29,6 @@ so this kernel is checked on the GPU only (and compiled for sm_90 in CI).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton.language as tl
@@ -55,184 +53,18 @@ from kernels._fsq_plan import (
     ws_block_bytes,
     ws_code_columns,
 )
+from kernels._fsq_ws_unpack import (
+    byte_layout,
+    byte_vector,
+    code_of,
+    split_range,
+    unpacker,
+)
 
 BLOCK_N = gl.constexpr(WS_BLOCK_N)
 _GL = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 RADIX_BITS = gl.constexpr(ROPE_RADIX_BITS)
 RADIX_MASK = gl.constexpr((1 << ROPE_RADIX_BITS) - 1)
-
-# The fast unpack: a register's four bytes b0..b3 -> the low nibbles (b0, b1), (b2, b3)
-# and the high nibbles likewise as 16-bit floats, exactly: a nibble k becomes the float
-# (magic + k) by bit operations, and `fma(x, 1, -magic)` takes the magic off.
-_NIBBLE_ASM = """{
-.reg .b32 t0, t1, one, off;
-mov.b32 one, ONE;
-mov.b32 off, OFF;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-lop3.b32 $0, t0, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 $1, t1, 0x000F000F, MAGIC, 0xEA;
-shr.b32 t0, t0, 4;
-shr.b32 t1, t1, 4;
-lop3.b32 $2, t0, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 $3, t1, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TYPE $0, $0, one, off;
-fma.rn.TYPE $1, $1, one, off;
-fma.rn.TYPE $2, $2, one, off;
-fma.rn.TYPE $3, $3, one, off;
-}"""
-# bf16: 128 + k is 0x4300 | k (k < 128); fp16: 1024 + k is 0x6400 | k (k < 1024)
-NIBBLE_ASM_BF16 = gl.constexpr(_NIBBLE_ASM.replace("MAGIC", "0x43004300").replace(
-    "ONE", "0x3F803F80").replace("OFF", "0xC300C300").replace("TYPE", "bf16x2"))
-NIBBLE_ASM_FP16 = gl.constexpr(_NIBBLE_ASM.replace("MAGIC", "0x64006400").replace(
-    "ONE", "0x3C003C00").replace("OFF", "0xE400E400").replace("TYPE", "f16x2"))
-
-
-@functools.lru_cache(maxsize=64)
-def byte_layout(block_b: int, vec: int) -> gl.BlockedLayout:
-    """Rows of ``block_b`` bytes, ``vec`` contiguous bytes per thread, 4 warps. With ``vec``
-    bytes holding 8 codes, the 8 lanes of a quarter warp store 8 consecutive 16-byte chunks
-    of one row: distinct banks of the swizzled code buffer."""
-    across = max(1, min(32, block_b // vec))
-    return gl.BlockedLayout([1, vec], [32 // across, across], [4, 1], [1, 0])
-
-
-@gluon.jit
-def _nibbles(byte, DTYPE: gl.constexpr):
-    """``(low, high)`` nibbles of ``byte`` as codes in ``DTYPE``, each of ``byte``'s shape."""
-    if DTYPE == gl.bfloat16:
-        return gl.inline_asm_elementwise(NIBBLE_ASM_BF16, "=r,=r,=r,=r,r", [byte],
-                                         dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
-                                         pack=4)
-    else:
-        return gl.inline_asm_elementwise(NIBBLE_ASM_FP16, "=r,=r,=r,=r,r", [byte],
-                                         dtype=(gl.float16, gl.float16), is_pure=True,
-                                         pack=4)
-
-
-@gluon.jit
-def _unpack(byte, BITS: gl.constexpr, BLOCK_B: gl.constexpr, DTYPE: gl.constexpr):
-    """Codes ``(BLOCK_N, BLOCK_B * 8 // BITS)`` of packed rows ``byte`` (the packing contract:
-    coordinate ``2k`` is the low nibble of byte ``k``)."""
-    x = byte.to(gl.int32)
-    if BITS == 8:
-        z = x
-    else:
-        z = gl.reshape(gl.join(x & 15, x >> 4), [BLOCK_N, BLOCK_B * 2])
-    return z.to(gl.float32).to(DTYPE)
-
-
-@gluon.jit
-def _code_of(c, BLOCK_B: gl.constexpr, FAST: gl.constexpr):
-    """The code coordinate a column of the code tile holds: with ``FAST`` the tile holds
-    the even coordinates (low nibbles) in its first ``BLOCK_B`` columns, then the odd ones."""
-    if FAST:
-        return 2 * (c % BLOCK_B) + c // BLOCK_B
-    else:
-        return c
-
-
-@gluon.jit
-def _split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS: gl.constexpr):
-    """``(b, first kv head, split, start, end)`` of this program, which takes ``HEADS`` kv
-    heads (``KV_GROUPS`` programs per sequence and split)."""
-    split = gl.program_id(0)
-    pid = gl.program_id(1)
-    b = pid // KV_GROUPS
-    start = split * SPLIT_LEN
-    return (b, (pid % KV_GROUPS) * HEADS, split, start,
-            gl.minimum(start + SPLIT_LEN, gl.load(alen_ptr + b)))
-
-
-@gluon.jit
-def _unpacker(codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_GROUPS, SPLIT_LEN, c_sb, c_sn,
-              HEADS: gl.constexpr, NBYTES: gl.constexpr, BITS: gl.constexpr, BLOCK_B: gl.constexpr,
-              LAYOUT: gl.constexpr, WORD_LAYOUT: gl.constexpr, DTYPE: gl.constexpr,
-              FAST: gl.constexpr, WORDS: gl.constexpr, Z_STAGES: gl.constexpr,
-              PREFETCH: gl.constexpr, PAD: gl.constexpr):
-    """Partition 1: packed rows -> codes in shared memory, a block ahead of the keys. With
-    ``WORDS`` (16-level rows that are not whole 4-byte words apart) a row's bytes are read
-    as aligned 4-byte words and shifted into place. Once per block for all the program's kv
-    heads. Bytes past a row (and rows past the split) read as ``PAD``."""
-    b, kvh0, split, start, end = _split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS)
-    if WORDS:
-        layout: gl.constexpr = WORD_LAYOUT
-        j = gl.arange(0, BLOCK_B // 4, gl.SliceLayout(0, layout))
-        row_base = codes_ptr.to(gl.pointer_type(gl.int32))
-        offs = b.to(gl.int64) * c_sb  # (the row bytes' offset from the words' start)
-    else:
-        layout: gl.constexpr = LAYOUT
-        j = gl.arange(0, BLOCK_B, gl.SliceLayout(0, layout))
-        row_base = codes_ptr + b.to(gl.int64) * c_sb
-    rows0 = gl.arange(0, BLOCK_N, gl.SliceLayout(1, layout))
-    if not WORDS:
-        offs = rows0[:, None] * c_sn + j[None, :]  # (within a block: int32)
-    # with PREFETCH, the next block's rows are in flight while a block is unpacked and stored
-    if PREFETCH:
-        after = _load_rows(row_base, offs, start, end, rows0, j, c_sn, NBYTES, WORDS, PAD)
-    i = 0
-    for n0 in range(start, end, BLOCK_N):
-        if PREFETCH:
-            byte = after
-            after = _load_rows(row_base, offs, n0 + BLOCK_N, end, rows0, j, c_sn, NBYTES,
-                               WORDS, PAD)
-        else:
-            byte = _load_rows(row_base, offs, n0, end, rows0, j, c_sn, NBYTES, WORDS, PAD)
-        if WORDS:
-            byte = gl.convert_layout(_word_bytes(byte, BLOCK_B), LAYOUT)
-        slot = i % Z_STAGES
-        free_phase = ((i // Z_STAGES) & 1) ^ 1
-        if FAST:
-            lo, hi = _nibbles(byte, DTYPE)
-            mbarrier.wait(z_free.index(slot), free_phase)
-            z_bufs.index(slot).slice(0, BLOCK_B, dim=1).store(lo)
-            z_bufs.index(slot).slice(BLOCK_B, BLOCK_B, dim=1).store(hi)
-        else:
-            z = _unpack(byte, BITS, BLOCK_B, DTYPE)
-            mbarrier.wait(z_free.index(slot), free_phase)
-            z_bufs.index(slot).store(z)
-        fence_async_shared()
-        mbarrier.arrive(z_ready.index(slot), count=1)
-        i += 1
-
-
-@gluon.jit
-def _load_rows(row_base, offs, n0, end, rows0, j, c_sn, NBYTES: gl.constexpr,
-               WORDS: gl.constexpr, PAD: gl.constexpr):
-    """The packed rows ``n0 + rows0`` (bytes ``PAD`` past ``end`` and past ``NBYTES``; with
-    ``WORDS`` from the first whole word past ``NBYTES`` on, the bytes between are the next
-    row's); with ``WORDS`` as ``(word, next word, shift)``: bytes ``4j .. 4j + 3`` of a row
-    are ``(word, next word) >> shift``, ``row_base`` the 4-byte words, ``offs`` the rows'
-    byte offset from them."""
-    live = (n0 + rows0 < end)[:, None]
-    if WORDS:
-        o = offs + (n0 + rows0).to(gl.int64) * c_sn  # each row's first byte
-        word = (o >> 2)[:, None] + j[None, :]
-        stop = (o + NBYTES)[:, None]
-        shift = ((o & 3) * 8).to(gl.int32)[:, None]
-        lo = gl.load(row_base + word, mask=live & (word * 4 < stop), other=PAD * 0x01010101)
-        hi = gl.load(row_base + word + 1, mask=live & (word * 4 + 4 < stop) & (shift != 0),
-                     other=PAD * 0x01010101)
-        return lo, hi, gl.broadcast(shift, lo)[0]
-    else:
-        ok = live & (j < NBYTES)[None, :]
-        return gl.load(row_base + n0.to(gl.int64) * c_sn + offs, mask=ok, other=PAD)
-
-
-@gluon.jit
-def _word_bytes(words, BLOCK_B: gl.constexpr):
-    """``(BLOCK_N, BLOCK_B)`` bytes of the ``(word, next word, shift)`` triples
-    ``_load_rows`` gives (a funnel shift, then the word's bytes in order)."""
-    lo, hi, shift = words
-    w = gl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r",
-                                  [lo, hi, shift], dtype=gl.int32, is_pure=True, pack=1)
-    b0 = (w & 255).to(gl.uint8)
-    b1 = ((w >> 8) & 255).to(gl.uint8)
-    b2 = ((w >> 16) & 255).to(gl.uint8)
-    b3 = ((w >> 24) & 255).to(gl.uint8)
-    # (join makes a new last axis: this order gives b0 b1 b2 b3 once flattened)
-    return gl.reshape(gl.join(gl.join(b0, b2), gl.join(b1, b3)), [BLOCK_N, BLOCK_B])
-
 
 @gluon.jit
 def _angle_sum(cos_a, sin_a, cos_b, sin_b):
@@ -354,7 +186,7 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
     ADD_BIAS: gl.constexpr = HAS_BIAS and not BIAS_PAD and not BIAS_MMA
     kl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, HALF, 16])
-    b, kvh0, split, start, end = _split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS)
+    b, kvh0, split, start, end = split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS)
     zero_k = gl.zeros([BLOCK_N, HALF], gl.float32, kl)
     ones = gl.full([BLOCK_N, 16], 1.0, DTYPE,
                    gl.DotOperandLayout(operand_index=0, parent=kl, k_width=2))
@@ -473,7 +305,7 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
     block for all of them."""
     sl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, BLOCK_M, 16])
-    b, kvh0, split, start, end = _split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS)
+    b, kvh0, split, start, end = split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS)
     sink = gl.load(slen_ptr + b)
     qa0, qb0 = _query_halves(q_ptr, q_sb, q_sh, b, kvh0, GROUP, 0, HEADS, HALF, BLOCK_M)
     qa1, qb1 = _query_halves(q_ptr, q_sb, q_sh, b, kvh0, GROUP, 1, HEADS, HALF, BLOCK_M)
@@ -543,7 +375,7 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
         mbarrier.arrive(z_free.index(zslot), count=1)
         i += 1
     l = gl.sum(lt, axis=0)
-    c = _code_of(gl.arange(0, BLOCK_W, gl.SliceLayout(1, sl)), BLOCK_B, FAST)
+    c = code_of(gl.arange(0, BLOCK_W, gl.SliceLayout(1, sl)), BLOCK_B, FAST)
     heads = kvh0 * GROUP + g
     live = g < HEADS * GROUP
     out = acc_ptr + b * a_sb + split * a_sp + heads[None, :] * a_sh + c[:, None]
@@ -578,7 +410,7 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
     BIAS_PAD: gl.constexpr = BIAS_CODE >= 0
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HALF // 8), HALF // 8], [4, 1], [1, 0])
     c = gl.arange(0, BLOCK_W, gl.SliceLayout(1, ld))
-    code = _code_of(c, BLOCK_B, FAST)
+    code = code_of(c, BLOCK_B, FAST)
     dec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_W, HALF], DTYPE)
     dec = gl.allocate_shared_memory(DTYPE, [2 * HEADS, BLOCK_W, HALF], dec_layout)
     bl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -641,7 +473,7 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                    k_bufs, r_bufs, q_buf, p_buf, k_ready, k_free, z_free, KV_GROUPS, GROUP,
                    WIDTH, SPLIT_LEN, HEADS, HALF, ROPE, HAS_NORM, BLOCK_M, BLOCK_B, BLOCK_W,
                    DTYPE, FAST, Z_STAGES, K_STAGES)),
-        (_unpacker, (codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_GROUPS, SPLIT_LEN, c_sb,
+        (unpacker, (codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_GROUPS, SPLIT_LEN, c_sb,
                      c_sn, HEADS, NBYTES, BITS, BLOCK_B, BYTES, WORD_BYTES, DTYPE, FAST, WORDS,
                      Z_STAGES, PREFETCH, 1 if BIAS_PAD else 0)),
         (_keys, (alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s, kbd,
@@ -649,15 +481,6 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                  BIAS_PAD, BIAS_MMA, HAS_NORM, DTYPE, K_CHUNKS, KEY_AHEAD, Z_STAGES,
                  K_STAGES)),
     ], [4, 4], [UNPACK_REGS, KEY_REGS])
-
-
-def byte_vector(nbytes: int, row_stride: int, most: int = 16) -> int:
-    """Bytes one thread loads at once: the largest power of two up to ``most`` dividing both
-    the row length and the row stride (so every vector load is aligned)."""
-    vec = most
-    while vec > 1 and (nbytes % vec or row_stride % vec):
-        vec //= 2
-    return vec
 
 
 def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torch.Tensor,

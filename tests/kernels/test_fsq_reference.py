@@ -340,7 +340,7 @@ def test_explicit_rope_tables_are_not_for_the_warp_specialized_kernel():
 @given(st.integers(1, 400), st.integers(1, 400))
 def test_warp_specialized_loads_are_aligned_and_as_wide_as_allowed(nbytes, stride):
     pytest.importorskip("triton.experimental.gluon")
-    from kernels._fsq_ws import byte_vector
+    from kernels._fsq_ws_unpack import byte_vector
 
     vec = byte_vector(nbytes, stride)
     assert vec in (1, 2, 4, 8, 16) and nbytes % vec == 0 and stride % vec == 0
