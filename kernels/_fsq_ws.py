@@ -45,7 +45,6 @@ from kernels import _fsq_plan
 from kernels._common import LOG2E, NEG_BIG
 from kernels._fsq_plan import (
     ROPE_RADIX_BITS,
-    WS_BLOCK_N,
     WS_TUNING,
     FsqProblem,
     kernel_tensors,
@@ -54,6 +53,7 @@ from kernels._fsq_plan import (
     ws_code_columns,
 )
 from kernels._fsq_ws_unpack import (
+    BLOCK_N,
     byte_layout,
     byte_vector,
     code_of,
@@ -61,7 +61,6 @@ from kernels._fsq_ws_unpack import (
     unpacker,
 )
 
-BLOCK_N = gl.constexpr(WS_BLOCK_N)
 _GL = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 RADIX_BITS = gl.constexpr(ROPE_RADIX_BITS)
 RADIX_MASK = gl.constexpr((1 << ROPE_RADIX_BITS) - 1)
