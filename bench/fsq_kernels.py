@@ -348,17 +348,19 @@ def checked_then_timed(run, variants_of, label, points, check_context, row_extra
 
 
 WS_VARIANTS = ({}, {"bias_pad": False}, {"trim": False}, {"bias_pad": False, "trim": False},
-               {"key_ahead": False}, {"bias_mma": False},
+               {"key_ahead": False}, {"bias_mma": False}, {"halves": False},
+               {"halves": False, "key_ahead": False},
                {"bias_pad": False, "trim": False, "key_ahead": False, "bias_mma": False})
 
 
 def variants_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
-                   check_context=4096):
+                   check_context=4096, knob_sets=WS_VARIANTS):
     """The warp-specialized kernel's knobs (``_fsq_plan.WS_TUNING``: the key bias carried by
     the padding bytes' codes, the key product trimmed to the columns that hold codes, the
     next key product issued before the one in hand is waited for, the bias elsewhere added
-    by one more MMA step) on and off at each config, :func:`checked_then_timed`. A row's
-    ``shipped`` is the setting the kernel ships with."""
+    by one more MMA step, the key product in two column halves) on and off at each config,
+    :func:`checked_then_timed`; ``knob_sets``: the settings timed, each a change from the
+    shipped one. A row's ``shipped`` is the setting the kernel ships with."""
     from kernels import _fsq
     from kernels._fsq_plan import WS_TUNING, ws_code_columns
 
@@ -375,7 +377,7 @@ def variants_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
     def label(knobs):
         return ",".join(f"{k}={v}" for k, v in knobs.items()) or "shipped"
 
-    return checked_then_timed(run, lambda small: WS_VARIANTS, label, points, check_context)
+    return checked_then_timed(run, lambda small: knob_sets, label, points, check_context)
 
 
 def eager_calls(points=((1, 4096), (1, 32768), (8, 32768))):
@@ -491,6 +493,9 @@ def main(argv=None):
                     "kv heads per program and buffers (Hopper)")
     ap.add_argument("--variants", action="store_true", help="only the warp-specialized "
                     "kernel's knobs (_fsq_plan.WS_TUNING) on and off (Hopper)")
+    ap.add_argument("--knobs", type=json.loads, nargs="+", metavar="JSON",
+                    help="with --variants: the knob settings to time instead of the built-in "
+                    "list, each a JSON object of changes, e.g. '{}' '{\"halves\": false}'")
     ap.add_argument("--eager", action="store_true", help="only the host-side cost of a call "
                     "(validated, trusted path, SDPA) at a few small shapes")
     ap.add_argument("--plot", type=Path, help="print the table of a saved result")
@@ -504,11 +509,23 @@ def main(argv=None):
         return
     if args.no_grid and not args.sweep:
         ap.error("--no-grid leaves nothing to run without --sweep")
+    if args.knobs is not None:
+        if not args.variants:
+            ap.error("--knobs goes with --variants")
+        from kernels._fsq_plan import WS_TUNING
+
+        for knobs in args.knobs:
+            unknown = sorted(set(knobs) - set(WS_TUNING)) if isinstance(knobs, dict) else knobs
+            if unknown:
+                ap.error(f"--knobs: {unknown!r} is not a set of WS_TUNING knobs "
+                         f"({', '.join(WS_TUNING)})")
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("bench/fsq_kernels.py needs a CUDA GPU (--plot reads a saved result)")
-    for flag, measure in (("heads", heads_sweep), ("variants", variants_sweep),
+    variants = (functools.partial(variants_sweep, knob_sets=tuple(args.knobs))
+                if args.knobs else variants_sweep)
+    for flag, measure in (("heads", heads_sweep), ("variants", variants),
                           ("eager", eager_calls)):
         if getattr(args, flag):  # one measurement alone, to its own file by default
             out = args.out

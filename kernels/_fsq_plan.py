@@ -264,8 +264,10 @@ def ws_block_bytes(width: int, bits: int) -> int:
 # time the difference in one process): the key bias carried in the padding codes and the key
 # product trimmed to the code columns (ws_code_columns), and the keys partition's next key
 # product issued before the one in hand is waited for, and elsewhere the bias added by one
-# more MMA step (ones times a tile of its two parts) rather than by the keys' float work
-WS_TUNING = {"bias_pad": True, "trim": True, "key_ahead": True, "bias_mma": True}
+# more MMA step (ones times a tile of its two parts) rather than by the keys' float work, and
+# the key product in two column halves (off: one product over all head_dim columns)
+WS_TUNING = {"bias_pad": True, "trim": True, "key_ahead": True, "bias_mma": True,
+             "halves": True}
 
 
 @functools.lru_cache(maxsize=256)

@@ -83,14 +83,21 @@ def _interleave(a, b, ROWS: gl.constexpr, HALF: gl.constexpr):
 
 
 @gluon.jit
+def _column_halves(x, ROWS: gl.constexpr, HALF: gl.constexpr):
+    """``(x[:, :HALF], x[:, HALF:])`` of a ``(ROWS, 2 * HALF)`` tile, in registers (column
+    ``HALF`` is a register bit of a warp-group MMA's accumulator, so no data moves)."""
+    return gl.split(gl.permute(gl.reshape(x, [ROWS, 2, HALF]), (0, 2, 1)))
+
+
+@gluon.jit
 def _key_constants(kn_ptr, cos_a, sin_a, part: gl.constexpr, layout: gl.constexpr,
-                   HALF: gl.constexpr, ROPE: gl.constexpr, HAS_NORM: gl.constexpr):
-    """What the keys of every kv head need for the whole program, for one column half of the
-    key product (``part``: the RoPE pairs ``(d, d + HALF)``, ``d`` in ``part * HALF / 2 +
-    [0, HALF / 2)``): ``(w_a, w_b, cos, sin)``, the RMSNorm weight of dims ``d`` and
-    ``d + HALF`` (row vectors; registers are scarce) and the angles of block offsets
-    ``0 .. BLOCK_N - 1``, in ``layout``; unused ones are placeholders."""
-    Q: gl.constexpr = HALF // 2
+                   HALF: gl.constexpr, Q: gl.constexpr, ROPE: gl.constexpr,
+                   HAS_NORM: gl.constexpr):
+    """What the keys of every kv head need for the whole program, for one column part of the
+    key product (``part``: the ``Q`` RoPE pairs ``(d, d + HALF)``, ``d`` in ``part * Q +
+    [0, Q)``): ``(w_a, w_b, cos, sin)``, the RMSNorm weight of dims ``d`` and ``d + HALF``
+    (row vectors; registers are scarce) and the angles of block offsets ``0 .. BLOCK_N -
+    1``, in ``layout``; unused ones are placeholders."""
     dd = part * Q + gl.arange(0, Q, gl.SliceLayout(0, layout))
     zero = gl.zeros([Q], gl.float32, gl.SliceLayout(0, layout))[None, :]
     w_a = zero
@@ -108,12 +115,13 @@ def _key_constants(kn_ptr, cos_a, sin_a, part: gl.constexpr, layout: gl.constexp
 
 
 @gluon.jit
-def _key_bias(kb_s, h, part: gl.constexpr, layout: gl.constexpr):
-    """Head ``h``'s key bias for dims ``d`` and ``d + HALF`` of column half ``part``, row
-    vectors in ``layout`` (``kb_s`` holds a head's four quarter rows: a0 a1 b0 b1)."""
+def _key_bias(kb_s, h, part: gl.constexpr, PARTS: gl.constexpr, layout: gl.constexpr):
+    """Head ``h``'s key bias for dims ``d`` and ``d + HALF`` of column part ``part``, row
+    vectors in ``layout`` (``kb_s`` holds a head's ``2 * PARTS`` rows: the parts' ``d``
+    rows, then their ``d + HALF`` rows)."""
     row: gl.constexpr = gl.SliceLayout(0, layout)
-    return (kb_s.index(4 * h + part).load(row)[None, :],
-            kb_s.index(4 * h + 2 + part).load(row)[None, :])
+    return (kb_s.index(2 * PARTS * h + part).load(row)[None, :],
+            kb_s.index(2 * PARTS * h + PARTS + part).load(row)[None, :])
 
 
 @gluon.jit
@@ -167,39 +175,47 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
           ROPE: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_PAD: gl.constexpr,
           BIAS_MMA: gl.constexpr,
           HAS_NORM: gl.constexpr, DTYPE: gl.constexpr, K_CHUNKS: gl.constexpr,
-          KEY_AHEAD: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr):
-    """Partition 2: codes -> keys, a block's ``HEADS`` kv heads one after another, each in two
-    column halves (``part``s) of the key product, whose warp-group MMAs are pipelined: the
-    product of the next part (of this head, the next head or the next block's first) runs
-    on the tensor cores while this part's elementwise work runs. A product gives a head's raw
-    keys with the head dims interleaved (``d``, ``d + HALF`` side by side, so RoPE's pairs sit
-    in one thread; each part holds ``HALF / 2`` pairs), with ``BIAS_PAD`` the bias too (it
-    rides in the decoder's rows of two padding code columns that hold ones); then the
-    RMSNorm weight and RoPE by the block offset's angle (the same for every block, so held in
-    registers: the block's base angle turns the query instead). The RMSNorm scale, one per
-    row, goes to the scores partition, which applies it to the scores. Keys rounded to the
-    query's dtype into shared memory, a buffer per part."""
-    Q: gl.constexpr = HALF // 2
+          KEY_AHEAD: gl.constexpr, PARTS: gl.constexpr, Z_STAGES: gl.constexpr,
+          K_STAGES: gl.constexpr):
+    """Partition 2: codes -> keys, a block's ``HEADS`` kv heads one after another, each by a
+    key product in ``PARTS`` (1 or 2) column parts whose warp-group MMAs, with
+    ``KEY_AHEAD``, are pipelined: the product of the next part (of this head, the next head
+    or the next block's first) runs on the tensor cores while this part's elementwise work
+    runs. A product gives a head's raw keys with the head dims interleaved (``d``, ``d +
+    HALF`` side by side, so RoPE's pairs sit in one thread; each part holds ``HALF / PARTS``
+    pairs), with ``BIAS_PAD`` the bias too (it rides in the decoder's rows of two padding
+    code columns that hold ones); then the RMSNorm weight and RoPE by the block offset's
+    angle (the same for every block, so held in registers: the block's base angle turns the
+    query instead). The RMSNorm scale, one per row, goes to the scores partition, which
+    applies it to the scores. Keys rounded to the query's dtype into shared memory, two
+    column halves per (block, head)."""
+    Q: gl.constexpr = HALF // PARTS  # RoPE pairs per part
     # (MMA groups one _key_product issues)
     GROUPS: gl.constexpr = max(1, len(K_CHUNKS)) + (1 if BIAS_MMA else 0)
     ADD_BIAS: gl.constexpr = HAS_BIAS and not BIAS_PAD and not BIAS_MMA
     kl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                 instr_shape=[16, HALF, 16])
+                                                 instr_shape=[16, 2 * Q, 16])
     b, kvh0, split, start, end = split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS)
-    zero_k = gl.zeros([BLOCK_N, HALF], gl.float32, kl)
+    zero_k = gl.zeros([BLOCK_N, 2 * Q], gl.float32, kl)
     ones = gl.full([BLOCK_N, 16], 1.0, DTYPE,
                    gl.DotOperandLayout(operand_index=0, parent=kl, k_width=2))
     proto, _ = _halves(zero_k, BLOCK_N, Q)
     hl: gl.constexpr = proto.type.layout
-    w_a0, w_b0, cos0, sin0 = _key_constants(kn_ptr, cos_a, sin_a, 0, hl, HALF, ROPE, HAS_NORM)
-    w_a1, w_b1, cos1, sin1 = _key_constants(kn_ptr, cos_a, sin_a, 1, hl, HALF, ROPE, HAS_NORM)
+    w_a0, w_b0, cos0, sin0 = _key_constants(kn_ptr, cos_a, sin_a, 0, hl, HALF, Q, ROPE,
+                                            HAS_NORM)
+    if PARTS == 2:
+        w_a1, w_b1, cos1, sin1 = _key_constants(kn_ptr, cos_a, sin_a, 1, hl, HALF, Q, ROPE,
+                                                HAS_NORM)
+    else:
+        w_a1, w_b1, cos1, sin1 = w_a0, w_b0, cos0, sin0
     bias_a0 = w_a0
     bias_b0 = w_a0
     bias_a1 = w_a0
     bias_b1 = w_a0
     if ADD_BIAS and HEADS == 1:  # (more heads: each head's bias from shared memory)
-        bias_a0, bias_b0 = _key_bias(kb_s, 0, 0, hl)
-        bias_a1, bias_b1 = _key_bias(kb_s, 0, 1, hl)
+        bias_a0, bias_b0 = _key_bias(kb_s, 0, 0, PARTS, hl)
+        if PARTS == 2:
+            bias_a1, bias_b1 = _key_bias(kb_s, 0, 1, PARTS, hl)
     i = 0  # (block, head) pairs done: the key buffers' ring counts those
     blk = 0
     # (not hoisted: the MMA descriptors of every decoder part and step would be held across
@@ -208,39 +224,46 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
         zslot = blk % Z_STAGES
         mbarrier.wait(z_ready.index(zslot), (blk // Z_STAGES) & 1)
         z = z_bufs.index(zslot)
-        # a block's 2 * HEADS parts in turn, each part's product issued before the part
-        # ahead of it is waited for (nothing is in flight across blocks: ptxas serializes
-        # every MMA when an in-flight accumulator crosses the loop)
+        # a block's PARTS * HEADS parts in turn (decoder part t), each part's product issued
+        # before the part ahead of it is waited for (nothing is in flight across blocks:
+        # ptxas serializes every MMA when an in-flight accumulator crosses the loop)
         running = _key_product(z, dec.index(0), zero_k, K_CHUNKS, ones, kbd.index(0),
                                BIAS_MMA)
-        for t in gl.static_range(2 * HEADS):
-            if KEY_AHEAD and t + 1 < 2 * HEADS:
+        for t in gl.static_range(PARTS * HEADS):
+            if KEY_AHEAD and t + 1 < PARTS * HEADS:
                 ahead = _key_product(z, dec.index(t + 1), zero_k, K_CHUNKS, ones,
                                      kbd.index(t + 1), BIAS_MMA)
                 k = warpgroup_mma_wait(num_outstanding=GROUPS, deps=(running,))
             else:
                 k = warpgroup_mma_wait(num_outstanding=0, deps=(running,))
                 ahead = k
-            if t % 2 == 0:
+            if t % PARTS == 0:
                 if ADD_BIAS and HEADS > 1:
-                    bias_a0, bias_b0 = _key_bias(kb_s, t // 2, 0, hl)
-                key, ss0 = _key_part(k, w_a0, w_b0, cos0, sin0, bias_a0, bias_b0, Q, ROPE,
-                                     ADD_BIAS, HAS_NORM, DTYPE)
+                    bias_a0, bias_b0 = _key_bias(kb_s, t // PARTS, 0, PARTS, hl)
+                key, ss = _key_part(k, w_a0, w_b0, cos0, sin0, bias_a0, bias_b0, Q, ROPE,
+                                    ADD_BIAS, HAS_NORM, DTYPE)
                 slot = i % K_STAGES
                 mbarrier.wait(k_free.index(slot), ((i // K_STAGES) & 1) ^ 1)
-                k_bufs.index(2 * slot).store(key)
+                if PARTS == 1:  # (the scores partition reads the keys in column halves)
+                    lo, hi = _column_halves(key, BLOCK_N, HALF)
+                    k_bufs.index(2 * slot).store(lo)
+                    k_bufs.index(2 * slot + 1).store(hi)
+                else:
+                    k_bufs.index(2 * slot).store(key)
             else:
                 if ADD_BIAS and HEADS > 1:
-                    bias_a1, bias_b1 = _key_bias(kb_s, t // 2, 1, hl)
+                    bias_a1, bias_b1 = _key_bias(kb_s, t // PARTS, 1, PARTS, hl)
                 key, ss1 = _key_part(k, w_a1, w_b1, cos1, sin1, bias_a1, bias_b1, Q, ROPE,
                                      ADD_BIAS, HAS_NORM, DTYPE)
                 k_bufs.index(2 * slot + 1).store(key)
+                ss = ss + ss1
+            if t % PARTS == PARTS - 1:
                 if HAS_NORM:
-                    r_bufs.index(slot).store(gl.rsqrt((ss0 + ss1) / (2 * HALF) + eps))
+                    r_bufs.index(slot).store(gl.rsqrt(ss / (2 * HALF) + eps))
                 fence_async_shared()
                 mbarrier.arrive(k_ready.index(slot), count=1)
                 i += 1
-            if not KEY_AHEAD and t + 1 < 2 * HEADS:  # (serial: the next part after this one)
+            if not KEY_AHEAD and t + 1 < PARTS * HEADS:  # (serial: the next part after this)
                 ahead = _key_product(z, dec.index(t + 1), zero_k, K_CHUNKS, ones,
                                      kbd.index(t + 1), BIAS_MMA)
             running = ahead
@@ -397,32 +420,33 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                      BYTES: gl.constexpr, WORD_BYTES: gl.constexpr, FAST: gl.constexpr,
                      WORDS: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
                      PREFETCH: gl.constexpr, BIAS_CODE: gl.constexpr, K_CHUNKS: gl.constexpr,
-                     KEY_AHEAD: gl.constexpr, BIAS_MMA: gl.constexpr,
+                     KEY_AHEAD: gl.constexpr, BIAS_MMA: gl.constexpr, PARTS: gl.constexpr,
                      UNPACK_REGS: gl.constexpr, KEY_REGS: gl.constexpr):
     kvh0 = (gl.program_id(1) % KV_GROUPS) * HEADS
     # the key decoders of the program's kv heads go to shared memory once (the key products'
-    # B operands), each in two column halves (BLOCK_W, HALF), head dims interleaved and rows
-    # in the code tile's column order; with BIAS_CODE >= 0 the bias (as two 16-bit parts, so
-    # it stays exact to ~2^-16) in the rows of code coordinates BIAS_CODE and the next pad
-    # byte's, whose codes are ones; else the biases beside them in float32
-    Q: gl.constexpr = HALF // 2
+    # B operands), each in PARTS column parts (BLOCK_W, 2 HALF / PARTS), head dims
+    # interleaved and rows in the code tile's column order; with BIAS_CODE >= 0 the bias (as
+    # two 16-bit parts, so it stays exact to ~2^-16) in the rows of code coordinates
+    # BIAS_CODE and the next pad byte's, whose codes are ones; else the biases beside them
+    Q: gl.constexpr = HALF // PARTS
+    PW: gl.constexpr = 2 * Q  # (a part's columns)
     BIAS_PAD: gl.constexpr = BIAS_CODE >= 0
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HALF // 8), HALF // 8], [4, 1], [1, 0])
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (PW // 8), PW // 8], [4, 1], [1, 0])
     c = gl.arange(0, BLOCK_W, gl.SliceLayout(1, ld))
     code = code_of(c, BLOCK_B, FAST)
-    dec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_W, HALF], DTYPE)
-    dec = gl.allocate_shared_memory(DTYPE, [2 * HEADS, BLOCK_W, HALF], dec_layout)
+    dec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_W, PW], DTYPE)
+    dec = gl.allocate_shared_memory(DTYPE, [PARTS * HEADS, BLOCK_W, PW], dec_layout)
     bl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     dd = gl.arange(0, Q, bl)
     kb_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    kb_s = gl.allocate_shared_memory(gl.float32, [4 * HEADS, Q], kb_layout)
-    kbd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([16, HALF], DTYPE)
-    kbd = gl.allocate_shared_memory(DTYPE, [2 * HEADS, 16, HALF], kbd_layout)
+    kb_s = gl.allocate_shared_memory(gl.float32, [2 * PARTS * HEADS, Q], kb_layout)
+    kbd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([16, PW], DTYPE)
+    kbd = gl.allocate_shared_memory(DTYPE, [PARTS * HEADS, 16, PW], kbd_layout)
     r16 = gl.arange(0, 16, gl.SliceLayout(1, ld))
     # (a loop, neither unrolled nor hoisted: one head's decoder in registers at a time)
     for h in tl.range(0, HEADS, disable_licm=True):
-        for part in gl.static_range(2):
-            j = part * HALF + gl.arange(0, HALF, gl.SliceLayout(0, ld))
+        for part in gl.static_range(PARTS):
+            j = part * PW + gl.arange(0, PW, gl.SliceLayout(0, ld))
             dim = (j >> 1) + (j & 1) * HALF
             rows = kd_ptr + (kvh0 + h) * kd_sh + dim[None, :] * kd_sd + code[:, None] * kd_sw
             tile = gl.load(rows, mask=(code < WIDTH)[:, None], other=0.0)
@@ -432,19 +456,20 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                 low = (bias - high.to(gl.float32)).to(DTYPE)
                 tile = gl.where((code == BIAS_CODE)[:, None], high[None, :], tile)
                 tile = gl.where((code == BIAS_CODE + 8 // BITS)[:, None], low[None, :], tile)
-            dec.index(2 * h + part).store(tile)
+            dec.index(PARTS * h + part).store(tile)
             if BIAS_MMA:
                 bias = gl.load(kb_ptr + (kvh0 + h) * kb_sh + dim).to(gl.float32)
                 high = bias.to(DTYPE)
                 low = (bias - high.to(gl.float32)).to(DTYPE)
                 rows16 = gl.where((r16 == 0)[:, None], high[None, :],
                                   gl.where((r16 == 1)[:, None], low[None, :],
-                                           gl.zeros([16, HALF], DTYPE, ld)))
-                kbd.index(2 * h + part).store(rows16)
+                                           gl.zeros([16, PW], DTYPE, ld)))
+                kbd.index(PARTS * h + part).store(rows16)
             elif HAS_BIAS and not BIAS_PAD:
                 kb_row = kb_ptr + (kvh0 + h) * kb_sh + part * Q + dd
-                kb_s.index(4 * h + part).store(gl.load(kb_row).to(gl.float32))
-                kb_s.index(4 * h + 2 + part).store(gl.load(kb_row + HALF).to(gl.float32))
+                kb_s.index(2 * PARTS * h + part).store(gl.load(kb_row).to(gl.float32))
+                kb_s.index(2 * PARTS * h + PARTS + part).store(
+                    gl.load(kb_row + HALF).to(gl.float32))
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], DTYPE)
     q_buf = gl.allocate_shared_memory(DTYPE, [2, BLOCK_M, HALF], q_layout)
     z_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_W], DTYPE)
@@ -477,7 +502,7 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                      Z_STAGES, PREFETCH, 1 if BIAS_PAD else 0)),
         (_keys, (alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s, kbd,
                  z_ready, k_ready, k_free, KV_GROUPS, SPLIT_LEN, HEADS, HALF, ROPE, HAS_BIAS,
-                 BIAS_PAD, BIAS_MMA, HAS_NORM, DTYPE, K_CHUNKS, KEY_AHEAD, Z_STAGES,
+                 BIAS_PAD, BIAS_MMA, HAS_NORM, DTYPE, K_CHUNKS, KEY_AHEAD, PARTS, Z_STAGES,
                  K_STAGES)),
     ], [4, 4], [UNPACK_REGS, KEY_REGS])
 
@@ -524,6 +549,7 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
                   BIAS_CODE=bias_code, K_CHUNKS=k_chunks,
                   KEY_AHEAD=WS_TUNING["key_ahead"],
                   BIAS_MMA=p.key_bias is not None and bias_code < 0 and WS_TUNING["bias_mma"],
+                  PARTS=2 if WS_TUNING["halves"] else 1,
                   UNPACK_REGS=regs[1], KEY_REGS=regs[2])
     return args, consts, {"num_warps": 4, "maxnreg": regs[0]}
 

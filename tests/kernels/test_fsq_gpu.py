@@ -147,8 +147,11 @@ def _split_kernel(case, ws, **kwargs):
     ({"q_heads": 32, "kv_heads": 2, "head_dim": 64}, 40, 256, torch.bfloat16, True),  # 16/kv
     ({"q_heads": 6, "kv_heads": 3, "head_dim": 32}, 100, 16, torch.float16, True),
 ])
-def test_gpu_warp_specialized_kernel_matches_the_split_kernel(shape, width, levels, dtype,
-                                                              rope):
+@pytest.mark.parametrize("knobs", [{}, {"halves": False, "key_ahead": False}],
+                         ids=["shipped", "whole-product"])
+def test_gpu_warp_specialized_kernel_matches_the_split_kernel(ws_tuning, knobs, shape, width,
+                                                              levels, dtype, rope):
+    ws_tuning(**knobs)
     case = make_fsq_case(batch=3, width=width, levels=levels, archived=3000, sinks=4,
                          recent=8, dtype=dtype, device="cuda", rope=1e6 if rope else None,
                          k_norm=rope, archived_lengths=[3000, 65, 0], **shape)
@@ -177,8 +180,11 @@ def ws_tuning():
 
 @pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU")
 @pytest.mark.parametrize("knobs", [{}, {"bias_pad": False}, {"trim": False},
-                                   {"bias_pad": False, "bias_mma": False}],
-                         ids=["shipped", "bias-step", "all-columns", "bias-in-float"])
+                                   {"bias_pad": False, "bias_mma": False},
+                                   {"halves": False, "key_ahead": False},
+                                   {"halves": False, "bias_pad": False, "bias_mma": False}],
+                         ids=["shipped", "bias-step", "all-columns", "bias-in-float",
+                              "whole-product", "whole-product-bias-in-float"])
 @pytest.mark.parametrize("width,bias,offset", [
     (84, True, 0),  # 42-byte rows read as shifted words: the bias in pad bytes 44 and 45
     (83, True, 0),  # an odd width: the last byte's high nibble is no code

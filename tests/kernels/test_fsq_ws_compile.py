@@ -19,6 +19,7 @@ from kernels._fsq_plan import (
     WS_MIN_TRITON,
     WS_SHARED_LIMIT,
     WS_SHARED_SLACK,
+    WS_TUNING,
     _triton_version,
     splits_for,
     uniform_bits,
@@ -115,3 +116,19 @@ def test_rows_off_word_boundaries_take_the_general_unpack():
     problem, _, kernel = _compile(dict(case, codes=shifted))
     assert problem.codes.data_ptr() % 4 == 2
     assert "0x000F000F" not in kernel.asm["ptx"] and "shf.r.clamp" not in kernel.asm["ptx"]
+
+
+@pytest.mark.parametrize("halves", [True, False], ids=["halves", "whole"])
+@pytest.mark.parametrize("width", [256, 84], ids=["qwen3-32x", "qwen3-97.5x"])
+def test_key_product_in_halves_or_whole(monkeypatch, width, halves):
+    """The ``halves`` knob: the key product in two column halves (N = head_dim / 2 MMAs,
+    shipped) or one over all ``head_dim`` columns (N = head_dim), serial; the scores and
+    weighted codes (N = 16) are the same either way."""
+    monkeypatch.setitem(WS_TUNING, "halves", halves)
+    monkeypatch.setitem(WS_TUNING, "key_ahead", halves)
+    case = make_fsq_case(batch=2, archived=300, width=width, dtype=torch.bfloat16, **QWEN3)
+    _, consts, kernel = _compile(case)
+    assert consts["PARTS"] == (2 if halves else 1)
+    ptx = kernel.asm["ptx"]
+    assert ("m64n64k16" in ptx) == halves and ("m64n128k16" in ptx) != halves
+    assert "m64n16k16" in ptx
