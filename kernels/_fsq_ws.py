@@ -12,11 +12,12 @@ time on different warps:
   16-level codes by bit operations, even coordinates in the tile's first half, odd ones in
   the second (``code_of``); rows that are not whole 4-byte words (97.5x: 42 bytes) read as
   aligned words and funnel-shifted into place;
-- *keys* (``_keys``): one warp-group MMA per block and kv head against its decoder (in
-  shared memory for the whole program, head dims interleaved so RoPE's pairs sit in one
-  thread), bias, the RMSNorm weight and RoPE by the angle of each position's offset in its
-  block (held in registers), the keys rounded to the query's dtype into a ring of
-  ``K_STAGES`` buffers and the rows' RMSNorm scales beside them;
+- *keys* (``_keys``): one warp-group MMA per block and kv head against its decoder (or two,
+  one per column half: ``WS_TUNING["halves"]``; in shared memory for the whole program, head
+  dims interleaved so RoPE's pairs sit in one thread), bias, the RMSNorm weight and RoPE
+  by the angle of each position's offset in its block (held in registers), the keys
+  rounded to the query's dtype into a ring of ``K_STAGES`` buffers and the rows' RMSNorm
+  scales beside them;
 - *scores* (``_scores``, the kernel's own warps): the query turned back by the block's base
   angle (``q . R(base + r) k = R(base)^T q . R(r) k``), ``keys @ queryᵀ`` per kv head with
   positions as the MMA rows (M = 64), times the norm scales, each kv head's query-head

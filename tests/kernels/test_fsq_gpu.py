@@ -147,8 +147,8 @@ def _split_kernel(case, ws, **kwargs):
     ({"q_heads": 32, "kv_heads": 2, "head_dim": 64}, 40, 256, torch.bfloat16, True),  # 16/kv
     ({"q_heads": 6, "kv_heads": 3, "head_dim": 32}, 100, 16, torch.float16, True),
 ])
-@pytest.mark.parametrize("knobs", [{}, {"halves": False, "key_ahead": False}],
-                         ids=["shipped", "whole-product"])
+@pytest.mark.parametrize("knobs", [{}, {"key_ahead": True}, {"halves": True, "key_ahead": True}],
+                         ids=["shipped", "next-head-ahead", "pipelined-halves"])
 def test_gpu_warp_specialized_kernel_matches_the_split_kernel(ws_tuning, knobs, shape, width,
                                                               levels, dtype, rope):
     ws_tuning(**knobs)
@@ -181,10 +181,11 @@ def ws_tuning():
 @pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU")
 @pytest.mark.parametrize("knobs", [{}, {"bias_pad": False}, {"trim": False},
                                    {"bias_pad": False, "bias_mma": False},
-                                   {"halves": False, "key_ahead": False},
-                                   {"halves": False, "bias_pad": False, "bias_mma": False}],
+                                   {"halves": True, "key_ahead": True},
+                                   {"halves": True, "key_ahead": True, "bias_pad": False,
+                                    "bias_mma": False}],
                          ids=["shipped", "bias-step", "all-columns", "bias-in-float",
-                              "whole-product", "whole-product-bias-in-float"])
+                              "pipelined-halves", "pipelined-halves-bias-in-float"])
 @pytest.mark.parametrize("width,bias,offset", [
     (84, True, 0),  # 42-byte rows read as shifted words: the bias in pad bytes 44 and 45
     (83, True, 0),  # an odd width: the last byte's high nibble is no code

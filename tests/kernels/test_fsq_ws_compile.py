@@ -121,9 +121,9 @@ def test_rows_off_word_boundaries_take_the_general_unpack():
 @pytest.mark.parametrize("halves", [True, False], ids=["halves", "whole"])
 @pytest.mark.parametrize("width", [256, 84], ids=["qwen3-32x", "qwen3-97.5x"])
 def test_key_product_in_halves_or_whole(monkeypatch, width, halves):
-    """The ``halves`` knob: the key product in two column halves (N = head_dim / 2 MMAs,
-    shipped) or one over all ``head_dim`` columns (N = head_dim), serial; the scores and
-    weighted codes (N = 16) are the same either way."""
+    """The ``halves`` knob: the key product in two pipelined column halves (N = head_dim / 2
+    MMAs) or one over all ``head_dim`` columns (N = head_dim, serial: shipped); the scores
+    and weighted codes (N = 16) are the same either way."""
     monkeypatch.setitem(WS_TUNING, "halves", halves)
     monkeypatch.setitem(WS_TUNING, "key_ahead", halves)
     case = make_fsq_case(batch=2, archived=300, width=width, dtype=torch.bfloat16, **QWEN3)
