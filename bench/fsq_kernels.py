@@ -348,9 +348,8 @@ def checked_then_timed(run, variants_of, label, points, check_context, row_extra
 
 
 WS_VARIANTS = ({}, {"bias_pad": False}, {"trim": False}, {"bias_pad": False, "trim": False},
-               {"bias_mma": False}, {"key_ahead": True}, {"halves": True},
-               {"halves": True, "key_ahead": True},
-               {"bias_pad": False, "trim": False, "bias_mma": False})
+               {"bias_mma": True}, {"bias_pad": False, "bias_mma": True}, {"key_ahead": True},
+               {"halves": True}, {"halves": True, "key_ahead": True, "bias_mma": True})
 
 
 def variants_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),

@@ -262,13 +262,14 @@ def ws_block_bytes(width: int, bits: int) -> int:
 
 # the warp-specialized kernel's knobs (bench/fsq_kernels.py --variants turns them on and off
 # to time the difference in one process): the key bias carried in the padding codes and the
-# key product trimmed to the code columns (ws_code_columns), elsewhere the bias added by one
-# more MMA step (ones times a tile of its two parts) rather than by the keys' float work; the
-# key product in two column halves rather than one over all head_dim columns (H100, same
-# process: the whole product 2-3% faster at Qwen3 shapes from batch 8, 13-16% for GPT-2), and
-# the keys partition's next key product issued before the one in hand is waited for (with
-# halves 3-5% faster; with the whole product two accumulators spill)
-WS_TUNING = {"bias_pad": True, "trim": True, "key_ahead": False, "bias_mma": True,
+# key product trimmed to the code columns (ws_code_columns); elsewhere the bias added by one
+# more MMA step (ones times a tile of its two parts) rather than by the keys' float work
+# (with the halves 8% faster at 32x, with the whole product 1-2% slower); the key product in
+# two column halves rather than one over all head_dim columns (H100, same process: the whole
+# product 2-3% faster at Qwen3 shapes from batch 8, 13-16% for GPT-2); and the keys
+# partition's next key product issued before the one in hand is waited for (with the halves
+# 3-5% faster; with the whole product two accumulators spill)
+WS_TUNING = {"bias_pad": True, "trim": True, "key_ahead": False, "bias_mma": False,
              "halves": False}
 
 

@@ -179,11 +179,10 @@ def ws_tuning():
 
 
 @pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU")
-@pytest.mark.parametrize("knobs", [{}, {"bias_pad": False}, {"trim": False},
-                                   {"bias_pad": False, "bias_mma": False},
-                                   {"halves": True, "key_ahead": True},
-                                   {"halves": True, "key_ahead": True, "bias_pad": False,
-                                    "bias_mma": False}],
+@pytest.mark.parametrize("knobs", [{}, {"bias_pad": False, "bias_mma": True}, {"trim": False},
+                                   {"bias_pad": False},
+                                   {"halves": True, "key_ahead": True, "bias_mma": True},
+                                   {"halves": True, "key_ahead": True, "bias_pad": False}],
                          ids=["shipped", "bias-step", "all-columns", "bias-in-float",
                               "pipelined-halves", "pipelined-halves-bias-in-float"])
 @pytest.mark.parametrize("width,bias,offset", [
@@ -192,7 +191,7 @@ def ws_tuning():
     (84, True, 2),  # codes 2 bytes past a word: the byte-wise unpack, pad bytes from 42
     (84, False, 0),
     (192, True, 0),  # whole words
-    (256, True, 0),  # no padding: the bias by one more MMA step
+    (256, True, 0),  # no padding: the bias in float (or by one more MMA step)
 ])
 def test_gpu_warp_specialized_code_columns(ws_tuning, knobs, width, bias, offset):
     # the bias carried by the padding bytes' codes (else by one more MMA step, else added
