@@ -278,7 +278,7 @@ def ws_fits(problem, heads, code_stages, key_stages):
     q_heads, head_dim = problem.query.shape[1:]
     need = ws_shared_bytes(problem.width, head_dim, uniform_bits(problem.levels),
                            problem.k_norm is not None, heads, code_stages,
-                           problem.key_bias is not None, key_stages)
+                           "mma" if problem.key_bias is not None else None, key_stages)
     return (problem.kv_heads % heads == 0 and heads * q_heads // problem.kv_heads <= 16
             and need + WS_SHARED_SLACK <= WS_SHARED_LIMIT)
 

@@ -208,19 +208,28 @@ WS_SHARED_LIMIT = 227 * 1024  # shared memory one block may use on sm_90
 WS_SHARED_SLACK = 4096  # the compiler's own shared memory beside the buffers (barriers)
 
 
+# bytes per kv head of the key bias in shared memory, by how the kernel adds it: as one more
+# MMA step's (16, head_dim) 16-bit tile, or in float as head_dim fp32s; none where it rides
+# in padding codes (ws_code_columns) or there is no bias
+WS_BIAS_BYTES = {"mma": lambda head_dim: 32 * head_dim, "float": lambda head_dim: 4 * head_dim,
+                 None: lambda head_dim: 0}
+
+
 def ws_shared_bytes(width: int, head_dim: int, bits: int, norm: bool = True, heads: int = 1,
-                    code_stages: int = WS_CODE_STAGES, bias: bool = True,
+                    code_stages: int = WS_CODE_STAGES, bias: str | None = "mma",
                     key_stages: int = 2) -> int:
     """Shared memory of the warp-specialized kernel's buffers, bytes: the key decoders (and
-    with ``bias`` the biases as the extra MMA step's ``(16, head_dim)`` tile, which the
-    kernel keeps only where the bias does not ride in padding codes:
-    :func:`ws_code_columns`) of ``heads`` kv heads,
-    ``code_stages`` code buffers, ``key_stages`` key buffers (and with ``norm`` their
-    RMSNorm scales), the query and the weights. ``block_w`` as the launcher pads it."""
+    their biases held as ``bias``, a key of :data:`WS_BIAS_BYTES`; the plan counts the
+    largest, ``"mma"``, since which form a launch takes depends on the codes' padding) of
+    ``heads`` kv heads, ``code_stages`` code buffers, ``key_stages`` key buffers (and with
+    ``norm`` their RMSNorm scales), the query and the weights. ``block_w`` as the launcher
+    pads it."""
+    if bias not in WS_BIAS_BYTES:
+        raise ValueError(f"bias must be 'mma', 'float' or None, got {bias!r}")
     block_w = ws_block_bytes(width, bits) * (8 // bits)
     return (heads * 2 * block_w * head_dim + code_stages * 2 * WS_BLOCK_N * block_w
             + key_stages * (2 * WS_BLOCK_N * head_dim + (4 * WS_BLOCK_N if norm else 0))
-            + 2 * 16 * head_dim + 2 * WS_BLOCK_N * 16 + (heads * 32 * head_dim if bias else 0))
+            + 2 * 16 * head_dim + 2 * WS_BLOCK_N * 16 + heads * WS_BIAS_BYTES[bias](head_dim))
 
 
 WS_MAX_HEADS = 4  # kv heads one program of the warp-specialized kernel takes at most
@@ -246,8 +255,8 @@ def ws_heads(kv_heads: int, group: int, width: int, head_dim: int, bits: int,
     while heads > 1:
         if kv_heads % heads == 0 and heads * group <= WS_MAX_COLUMNS:
             for code_stages, key_stages in WS_BUFFER_CHOICES:
-                need = ws_shared_bytes(width, head_dim, bits, norm, heads, code_stages, bias,
-                                       key_stages)
+                need = ws_shared_bytes(width, head_dim, bits, norm, heads, code_stages,
+                                       "mma" if bias else None, key_stages)
                 if need + WS_SHARED_SLACK <= WS_SHARED_LIMIT:
                     return heads, code_stages, key_stages
         heads //= 2

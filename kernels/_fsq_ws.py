@@ -439,10 +439,19 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
     dec = gl.allocate_shared_memory(DTYPE, [PARTS * HEADS, BLOCK_W, PW], dec_layout)
     bl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     dd = gl.arange(0, Q, bl)
-    kb_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    kb_s = gl.allocate_shared_memory(gl.float32, [2 * PARTS * HEADS, Q], kb_layout)
-    kbd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([16, PW], DTYPE)
-    kbd = gl.allocate_shared_memory(DTYPE, [PARTS * HEADS, 16, PW], kbd_layout)
+    # the biases' buffer only in the form the keys partition reads (the other name stands
+    # for it unread, so no compiler's dead-allocation pass decides the kernel's footprint)
+    if BIAS_MMA:
+        kbd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([16, PW], DTYPE)
+        kbd = gl.allocate_shared_memory(DTYPE, [PARTS * HEADS, 16, PW], kbd_layout)
+        kb_s = kbd
+    elif HAS_BIAS and not BIAS_PAD:
+        kb_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        kb_s = gl.allocate_shared_memory(gl.float32, [2 * PARTS * HEADS, Q], kb_layout)
+        kbd = dec
+    else:
+        kb_s = dec
+        kbd = dec
     r16 = gl.arange(0, 16, gl.SliceLayout(1, ld))
     # (a loop, neither unrolled nor hoisted: one head's decoder in registers at a time)
     for h in tl.range(0, HEADS, disable_licm=True):

@@ -210,7 +210,8 @@ def test_kv_heads_per_program_are_the_most_that_fit(kv_heads, group, width, head
                                                     norm, bias):
     def buffers(heads):  # the first (code, key) buffers that fit, in the plan's order
         fit = [(z, k) for z, k in WS_BUFFER_CHOICES
-               if ws_shared_bytes(width, head_dim, bits, norm, heads, z, bias, k)
+               if ws_shared_bytes(width, head_dim, bits, norm, heads, z, "mma" if bias else None,
+                                  k)
                + WS_SHARED_SLACK <= WS_SHARED_LIMIT]
         return fit[0] if fit else None
 

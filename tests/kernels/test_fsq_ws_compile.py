@@ -74,6 +74,20 @@ def _compile(case):
     return problem, consts, kernel
 
 
+def _assert_shared_as_counted(problem, consts, kernel):
+    """The launcher's buffers, counted with the biases in the form this launch holds them,
+    bound what the kernel takes; the plan's count (the largest form) bounds that."""
+    heads, code_stages, key_stages = ws_program_heads(problem)
+    form = (None if problem.key_bias is None or consts["BIAS_CODE"] >= 0
+            else "mma" if consts["BIAS_MMA"] else "float")
+    counted, planned = (
+        ws_shared_bytes(problem.width, problem.query.shape[2], uniform_bits(problem.levels),
+                        problem.k_norm is not None, heads, code_stages, bias, key_stages)
+        for bias in (form, "mma" if problem.key_bias is not None else None))
+    assert counted <= kernel.metadata.shared <= counted + WS_SHARED_SLACK
+    assert counted <= planned and planned + WS_SHARED_SLACK <= WS_SHARED_LIMIT
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(QWEN3, width=256, dtype=torch.bfloat16),  # Qwen3-8B at 32x: the most shared memory
     dict(QWEN3, width=84, dtype=torch.float16),  # 97.5x: 42-byte rows, shifted words
@@ -88,14 +102,7 @@ def _compile(case):
         "qwen3-32x-fp16"])
 def test_warp_specialized_kernel_compiles_for_hopper(kwargs):
     problem, consts, kernel = _compile(make_fsq_case(batch=2, archived=300, **kwargs))
-    # the launcher's buffers, as the plan counts them, bound what the kernel takes (the bias
-    # tile only where the bias does not ride in padding codes)
-    heads, code_stages, key_stages = ws_program_heads(problem)
-    biases = problem.key_bias is not None and consts["BIAS_CODE"] < 0
-    counted = ws_shared_bytes(problem.width, problem.query.shape[2],
-                              uniform_bits(problem.levels), problem.k_norm is not None, heads,
-                              code_stages, biases, key_stages)
-    assert counted <= kernel.metadata.shared <= counted + WS_SHARED_SLACK <= WS_SHARED_LIMIT
+    _assert_shared_as_counted(problem, consts, kernel)
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "mbarrier.try_wait" in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
@@ -132,3 +139,20 @@ def test_key_product_in_halves_or_whole(monkeypatch, width, halves):
     ptx = kernel.asm["ptx"]
     assert ("m64n64k16" in ptx) == halves and ("m64n128k16" in ptx) != halves
     assert "m64n16k16" in ptx
+
+
+def test_key_bias_buffer_in_the_form_the_keys_read(monkeypatch):
+    """At 32x (no padding codes to carry the bias) the kernel holds the biases either as the
+    extra MMA step's tile or as float rows, never both: its shared memory is the count of
+    that one form, and only the MMA form issues the extra step."""
+    case = make_fsq_case(batch=2, archived=300, width=256, dtype=torch.bfloat16, **QWEN3)
+    shared, steps = {}, {}
+    for bias_mma in (True, False):
+        monkeypatch.setitem(WS_TUNING, "bias_mma", bias_mma)
+        problem, consts, kernel = _compile(case)
+        assert consts["BIAS_CODE"] < 0 and consts["BIAS_MMA"] == bias_mma
+        _assert_shared_as_counted(problem, consts, kernel)
+        shared[bias_mma] = kernel.metadata.shared
+        steps[bias_mma] = kernel.asm["ptx"].count("wgmma.mma_async")
+    assert shared[True] > shared[False]
+    assert steps[True] > steps[False]  # (ones @ the bias tile, once per head)
