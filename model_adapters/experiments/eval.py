@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         epilog="Configs: exact | {pooled|perhead}-k{K}-s{S}[-keysonly|-valuesonly] | "
         "{pooled|perhead}-k{K}-K{a}V{b} | hybrid-k256-K4V2 (= perhead-k256-K4V2) | all "
-        f"({', '.join(ALL_CONFIGS)}) | fsq-w{{W}}-L{{L}}[-tau{{T}}] (an FSQ-converted model; "
-        f"see --bottleneck).{needs}",
+        f"({', '.join(ALL_CONFIGS)}) | fsq-w{{W}}-L{{L}}[-tau{{T}}][@bf16|@e4m3|@e4m3-head] "
+        "(an FSQ-converted model, see --bottleneck; @: its key decoder as a kernel of that "
+        f"precision computes it).{needs}",
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--model", required=True, help="local checkpoint directory with its tokenizer")

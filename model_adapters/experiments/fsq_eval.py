@@ -5,7 +5,10 @@ trained bottleneck saved there is used (``bench/fsq_grid.py`` and ``bench/fsq_fi
 them; its width and levels must be the name's); without one, a ``tau``-less or ``tau0`` name is
 converted on the spot from the training text (calibration only, no finetuning), cached in
 ``--codebook-dir`` under a key of the model's identity and the calibration tokens. A name with
-``tau > 0`` needs its bottleneck: finetuning is not part of an evaluation.
+``tau > 0`` needs its bottleneck: finetuning is not part of an evaluation. A suffix
+``@bf16``, ``@e4m3`` or ``@e4m3-head`` evaluates the same model with its key decoder rounded as
+a kernel of that precision would compute it (:mod:`model_adapters.quant.fsq_precision`); the
+row's ``key_decoder`` says how far the rounding moved the weights.
 
 The passage is scored token by token through an :class:`~model_adapters.caches.fsq_cache.
 FSQCache` and its codes are written to an fkvstore archive
@@ -25,11 +28,18 @@ from pathlib import Path
 __all__ = ["FSQ_NAME", "calibration_ids", "convert_or_load", "evaluate_fsq", "is_fsq",
            "parse_bottlenecks", "summarise_fsq"]
 
-FSQ_NAME = re.compile(r"fsq-w\d+-L\d+(-tau[0-9.]+)?")
+# an optional "@form" names the key decoder's precision (model_adapters.quant.fsq_precision)
+FSQ_NAME = re.compile(r"fsq-w\d+-L\d+(-tau[0-9.]+)?(@(bf16|e4m3|e4m3-head))?")
 
 
 def is_fsq(name: str) -> bool:
     return FSQ_NAME.fullmatch(name) is not None
+
+
+def split_form(name: str) -> tuple[str, str | None]:
+    """``"fsq-w32-L16-tau1@e4m3"`` -> ``("fsq-w32-L16-tau1", "e4m3")``; no suffix: ``None``."""
+    base, _, form = name.partition("@")
+    return base, form or None
 
 
 def parse_bottlenecks(given: list[str]) -> dict[str, str]:
@@ -62,7 +72,8 @@ def convert_or_load(name: str, base, *, bottlenecks: dict, calibration, cache_di
 
     Args:
         base: the evaluated model (Qwen3 or GPT-2).
-        bottlenecks: ``{name: DIR}`` from :func:`parse_bottlenecks`.
+        bottlenecks: ``{name: DIR}`` from :func:`parse_bottlenecks`; a name with an
+            ``@form`` suffix takes its own entry, else its plain name's.
         calibration: ``(sequences, tokens)`` int64 ids for an on-the-spot conversion.
         cache_dir: where conversions are kept and reused (None: not kept).
     """
@@ -71,6 +82,16 @@ def convert_or_load(name: str, base, *, bottlenecks: dict, calibration, cache_di
     from model_adapters.quant.fsq_config import fsq_spec
     from model_adapters.quant.fsq_convert import convert_to_fsq, load_bottleneck, save_bottleneck
 
+    plain, form = split_form(name)
+    if form is not None:  # the bottleneck of the plain name, its key decoder rounded
+        from model_adapters.quant.fsq_precision import round_key_decoders
+
+        folder = bottlenecks.get(name, bottlenecks.get(plain))
+        converted = convert_or_load(plain, base, bottlenecks={} if folder is None
+                                    else {plain: folder}, calibration=calibration,
+                                    cache_dir=cache_dir)
+        converted.fsq_key_decoder_rounding = round_key_decoders(converted, form)
+        return converted
     cfg = FsqConfig.parse(name)
     if name in bottlenecks:
         converted = load_bottleneck(bottlenecks[name], base)
@@ -149,4 +170,5 @@ def summarise_fsq(name: str, converted, nlls, base, storage, shape, tokens: int,
         "compression_vs_fp16": fp16 / code_pt,
         "compression_vs_fp16_total": fp16 / (storage["code_stream_bytes"] / tokens),
         "archive": storage["archive"], "archive_file_bytes": storage["archive_file_bytes"],
+        "key_decoder": getattr(converted, "fsq_key_decoder_rounding", None),
     }

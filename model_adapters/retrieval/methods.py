@@ -213,25 +213,29 @@ def _press(name, ctx):
 
 def _fsq(name, ctx):
     """The base model converted to FSQ with the trained bottleneck given for ``name``
-    (``--bottleneck fsq-w32-L16=DIR``), answering through an ``FSQCache``. Bytes: the packed
-    codes and the positions the cache holds; the decoders are weights, not counted."""
+    (``--bottleneck fsq-w32-L16=DIR``; a name with an ``@form`` suffix, e.g.
+    ``fsq-w32-L16@e4m3``, takes its plain name's and rounds the key decoder), answering
+    through an ``FSQCache``. Bytes: the packed codes and the positions the cache holds; the
+    decoders are weights, not counted."""
     from model_adapters.caches.fsq_cache import FSQCache
-    from model_adapters.experiments.fsq_eval import convert_or_load
+    from model_adapters.experiments.fsq_eval import convert_or_load, split_form
     from model_adapters.quant.fsq_config import fsq_spec
 
-    if name not in ctx.bottlenecks:
-        raise ValueError(f"method {name!r} needs a trained bottleneck: --bottleneck {name}=DIR "
+    plain = split_form(name)[0]
+    if name not in ctx.bottlenecks and plain not in ctx.bottlenecks:
+        raise ValueError(f"method {name!r} needs a trained bottleneck: --bottleneck {plain}=DIR "
                          f"(given for: {sorted(ctx.bottlenecks) or 'none'})")
     converted = convert_or_load(name, ctx.model, bottlenecks=ctx.bottlenecks, calibration=None)
     width, levels, tau = fsq_spec(converted.config)
     return Method(name, "fsq", lambda measure: FSQCache(converted),
                   lambda cache, tokens: cache.nbytes(), model=converted,
                   info={"width": width, "levels": sorted(set(levels)), "tau": tau,
-                        "bottleneck": str(ctx.bottlenecks[name])})
+                        "bottleneck": str(ctx.bottlenecks.get(name, ctx.bottlenecks.get(plain))),
+                        "key_decoder": getattr(converted, "fsq_key_decoder_rounding", None)})
 
 
 register_method(r"exact", "exact", _exact)
 register_method(r"(pooled|perhead|hybrid)-k\d+-.*", "rvq", _rvq)
 register_method(r"(quanto|hqq)-\d+|fp8", "quantized-cache", _quantized)
 register_method(rf"({_PRESS_KINDS})-(0?\.\d+|0)", "press", _press)
-register_method(r"fsq-w\d+-L\d+(-tau[0-9.]+)?", "fsq", _fsq)
+register_method(r"fsq-w\d+-L\d+(-tau[0-9.]+)?(@(bf16|e4m3|e4m3-head))?", "fsq", _fsq)

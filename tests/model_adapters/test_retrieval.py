@@ -160,6 +160,7 @@ def test_method_registry_names_and_hook():
     assert methods.method_family("perhead-k256-s2") == "rvq"
     assert methods.method_family("hqq-2") == "quantized-cache"
     assert methods.method_family("fsq-w32-L16") == "fsq"
+    assert methods.method_family("fsq-w32-L16-tau1@e4m3") == "fsq"
     from model_adapters.retrieval.presses import PRESSES
 
     assert tuple(methods._PRESS_KINDS.split("|")) == PRESSES  # the names kept in two places
@@ -330,6 +331,10 @@ def test_fsq_method_answers_like_the_converted_model(tiny_run, tokenizer, tmp_pa
         methods.resolve_method("fsq-w16-L16", ctx)
     m = methods.resolve_method("fsq-w8-L16", ctx)
     assert m.family == "fsq" and m.model is not model
+    # the same bottleneck with its key decoder as an fp8 kernel would compute it
+    fp8 = methods.resolve_method("fsq-w8-L16@e4m3", ctx)
+    assert fp8.info["key_decoder"]["form"] == "e4m3" and m.info["key_decoder"] is None
+    assert fp8.info["bottleneck"] == m.info["bottleneck"]
     source = np.random.default_rng(2).integers(0, 50000, 3000)
     item = tasks.make_item("single", 200, source, ["alpha", "bravo"], tokenizer,
                            random.Random(1))
