@@ -32,7 +32,7 @@ __all__ = ["E4M3_MAX", "KEY_DECODER_FORMS", "round_key_decoders", "rounded_key_d
 
 KEY_DECODER_FORMS = ("bf16", "e4m3", "e4m3-head")
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
-E4M3_EXACT_CODES = 16  # integers 0 .. 16 are exact in e4m3 (3 mantissa bits)
+E4M3_EXACT_CODE = 16  # the largest integer code exact in e4m3 with all below it (3 mantissa bits)
 
 
 def rounded_key_decoder(weight: torch.Tensor, form: str) -> torch.Tensor:
@@ -59,7 +59,7 @@ def round_key_decoders(model, form: str) -> dict:
 
     Returns ``{"form", "relative_error": [per layer ||rounded - exact|| / ||exact|| of the
     folded weight], "max_relative_error"}``. ValueError for an unknown form, or for an e4m3
-    form on codes of more than 16 levels (their codes are not exact in e4m3); nothing is
+    form on codes of more than 17 levels (their codes are not exact in e4m3); nothing is
     changed then.
     """
     layers = bottlenecks(model)
@@ -67,9 +67,9 @@ def round_key_decoders(model, form: str) -> dict:
         raise ValueError(f"key decoder form must be one of {KEY_DECODER_FORMS}, got {form!r}")
     if form.startswith("e4m3"):
         top = max(max(b.fsq.levels) for b in layers)
-        if top > E4M3_EXACT_CODES:
+        if top - 1 > E4M3_EXACT_CODE:
             raise ValueError(f"form {form!r} needs codes exact in e4m3 (at most "
-                             f"{E4M3_EXACT_CODES} levels); the model has {top} levels")
+                             f"{E4M3_EXACT_CODE + 1} levels); the model has {top} levels")
     errors = []
     for b in layers:
         dec = b.key_decoder

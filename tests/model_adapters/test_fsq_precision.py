@@ -13,6 +13,7 @@ from model_adapters.experiments.fsq_eval import convert_or_load, is_fsq, split_f
 from model_adapters.quant.fsq_convert import convert_to_fsq, save_bottleneck
 from model_adapters.quant.fsq_model import bottlenecks
 from model_adapters.quant.fsq_precision import (
+    E4M3_EXACT_CODE,
     E4M3_MAX,
     round_key_decoders,
     rounded_key_decoder,
@@ -79,6 +80,12 @@ def test_rounding_a_model_changes_only_the_folded_key_weight(form):
         logits = model(IDS).logits
     assert not torch.equal(logits, exact_logits)
     assert torch.allclose(logits, exact_logits, atol=0.5)
+
+
+def test_codes_up_to_the_exact_limit_are_exact_in_e4m3():
+    codes = torch.arange(E4M3_EXACT_CODE + 2, dtype=torch.float32)
+    back = codes.to(torch.float8_e4m3fn).float()
+    assert torch.equal(back[:-1], codes[:-1]) and back[-1] != codes[-1]
 
 
 def test_e4m3_is_refused_for_codes_not_exact_in_it_and_nothing_changes():
