@@ -46,6 +46,7 @@ from kernels._validate import check_num_splits
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 RADIX_BITS = tl.constexpr(ROPE_RADIX_BITS)
 RADIX_MASK = tl.constexpr((1 << ROPE_RADIX_BITS) - 1)
+MERGE_TILE = 8192  # floats of the splits' scratch one merge step holds (64 per thread)
 
 
 @triton.jit
@@ -255,7 +256,8 @@ def _merge_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, ale
                   a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp, vd_sh, vd_sd, vd_sw, vb_sh,
                   o_sb, o_sh, KV_HEADS, GROUP, HEAD_DIM, WIDTH, SPLIT_LEN,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr):
+                  BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // KV_HEADS
     kvh = pid % KV_HEADS
@@ -271,22 +273,38 @@ def _merge_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, ale
                                  sk_sb, sk_sh, sk_sn, sv_sb, sv_sh, sv_sn,
                                  rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn, BLOCK_M, BLOCK_D,
                                  BLOCK_E)
-    # the archive: merge the splits' (max, weight sum, weighted code sum)
-    m_a = tl.full([BLOCK_M], NEG_BIG, tl.float32)
-    l_a = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
+    # the archive: merge the splits' (max, weight sum, weighted code sum), BLOCK_S splits per
+    # step as one (heads, splits, codes) tile, so a step waits on memory once (a split per
+    # step waited once per split: batch 1 at 32K context runs ~32 splits)
+    gs = tl.arange(0, BLOCK_G)
+    gs_ok = gs < GROUP
+    m_a = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    l_a = tl.zeros([BLOCK_G], tl.float32)
+    acc_g = tl.zeros([BLOCK_G, BLOCK_W], tl.float32)
     active = tl.cdiv(tl.load(alen_ptr + b), SPLIT_LEN)
-    for s in range(0, active):
-        ml = ml_ptr + b * ml_sb + heads * ml_sh + s * ml_sp
-        m_s = tl.load(ml, mask=g_ok, other=NEG_BIG)
-        m_new = tl.maximum(m_a, m_s)
+    ml_g = ml_ptr + b * ml_sb + (kvh * GROUP + gs)[:, None] * ml_sh
+    acc_gs = (acc_ptr + b * a_sb + (kvh * GROUP + gs)[:, None, None] * a_sh
+              + c[None, None, :])
+    for s0 in range(0, active, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        ok = gs_ok[:, None] & (s < active)[None, :]
+        m_s = tl.load(ml_g + s[None, :] * ml_sp, mask=ok, other=NEG_BIG)
+        l_s = tl.load(ml_g + s[None, :] * ml_sp + 1, mask=ok, other=0.0)
+        part = tl.load(acc_gs + s[None, :, None] * a_sp,
+                       mask=ok[:, :, None] & c_ok[None, None, :], other=0.0)
+        m_new = tl.maximum(m_a, tl.max(m_s, axis=1))
         alpha = tl.math.exp2(m_a - m_new)
-        beta = tl.math.exp2(m_s - m_new)
-        l_a = l_a * alpha + tl.load(ml + 1, mask=g_ok, other=0.0) * beta
-        part = tl.load(acc_ptr + b * a_sb + heads[:, None] * a_sh + s * a_sp + c[None, :],
-                       mask=g_ok[:, None] & c_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + part * beta[:, None]
+        beta = tl.math.exp2(m_s - m_new[:, None])
+        l_a = l_a * alpha + tl.sum(l_s * beta, axis=1)
+        acc_g = acc_g * alpha[:, None] + tl.sum(part * beta[:, :, None], axis=1)
         m_a = m_new
+    if BLOCK_G == BLOCK_M:
+        acc = acc_g
+    else:  # (rows past the group for the product: tl.dot takes 16 rows at least)
+        onto = g[:, None] == gs[None, :]
+        acc = tl.sum(tl.where(onto[:, :, None], acc_g[None, :, :], 0.0), axis=1)
+        l_a = tl.sum(tl.where(onto, l_a[None, :], 0.0), axis=1)
+        m_a = tl.max(tl.where(onto, m_a[None, :], NEG_BIG), axis=1)
     # the value decoder, once: (heads, width) @ (width, head_dim) (+ bias x weight sum)
     vd = tl.load(vd_ptr + kvh * vd_sh + d[None, :] * vd_sd + c[:, None] * vd_sw,
                  mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
@@ -389,6 +407,7 @@ def _merge(p: FsqProblem, acc: torch.Tensor, ml: torch.Tensor, split_len: int) -
     vd = p.value_decoder
     vb = p.value_bias if p.value_bias is not None else vd
     out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=p.query.device)
+    block_g, block_w = pow2(group), pow2(p.width, 16)
     _merge_kernel[(batch * kv_heads,)](
         p.query, sk, sv, rk, rv, p.sink_lengths, p.recent_lengths, p.archived_lengths,
         acc, ml, vd, vb, out, p.scale * LOG2E, p.query.stride(0), p.query.stride(1),
@@ -396,5 +415,7 @@ def _merge(p: FsqProblem, acc: torch.Tensor, ml: torch.Tensor, split_len: int) -
         *acc.stride()[:3], *ml.stride()[:3], *vd.stride(), vb.stride(0),
         out.stride(0), out.stride(1), kv_heads, group, head_dim, p.width, split_len,
         HAS_BIAS=p.value_bias is not None, BLOCK_M=max(16, pow2(group)),
-        BLOCK_D=pow2(head_dim, 16), BLOCK_W=pow2(p.width, 16), BLOCK_E=16, num_warps=4)
+        BLOCK_D=pow2(head_dim, 16), BLOCK_W=block_w, BLOCK_E=16, BLOCK_G=block_g,
+        BLOCK_S=min(pow2(acc.shape[2]), max(1, MERGE_TILE // (block_g * block_w))),
+        num_warps=4)
     return out

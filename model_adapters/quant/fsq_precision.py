@@ -35,11 +35,15 @@ E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 E4M3_EXACT_CODE = 16  # the largest integer code exact in e4m3 with all below it (3 mantissa bits)
 
 
+def _check_form(form: str) -> None:
+    if form not in KEY_DECODER_FORMS:
+        raise ValueError(f"key decoder form must be one of {KEY_DECODER_FORMS}, got {form!r}")
+
+
 def rounded_key_decoder(weight: torch.Tensor, form: str) -> torch.Tensor:
     """``weight`` ``(kv_heads, head_dim, w)`` (a folded key decoder) as ``form`` holds it,
     float32 of the same shape (see the module for the forms). All-zero rows stay zero."""
-    if form not in KEY_DECODER_FORMS:
-        raise ValueError(f"key decoder form must be one of {KEY_DECODER_FORMS}, got {form!r}")
+    _check_form(form)
     if weight.dim() != 3:
         raise ValueError(f"weight must be (kv_heads, head_dim, w), got shape "
                          f"{tuple(weight.shape)}")
@@ -63,8 +67,7 @@ def round_key_decoders(model, form: str) -> dict:
     changed then.
     """
     layers = bottlenecks(model)
-    if form not in KEY_DECODER_FORMS:
-        raise ValueError(f"key decoder form must be one of {KEY_DECODER_FORMS}, got {form!r}")
+    _check_form(form)
     if form.startswith("e4m3"):
         top = max(max(b.fsq.levels) for b in layers)
         if top - 1 > E4M3_EXACT_CODE:

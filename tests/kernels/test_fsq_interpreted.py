@@ -75,6 +75,20 @@ def test_qwen3_path_matches_reference(dtype, q_heads, kv_heads):
     check(case, num_splits=3)
 
 
+@pytest.mark.parametrize("tile", [64, 256])
+def test_merge_takes_splits_in_steps(monkeypatch, tile):
+    # the merge reads BLOCK_S splits per step (MERGE_TILE floats): shrunk here so 9 splits
+    # take 5 or 2 steps (the last part-masked) with 2 query heads per kv head, the second
+    # sequence with fewer splits; the query scaled up so the splits' maxima differ widely
+    import kernels._fsq as fsq
+
+    monkeypatch.setattr(fsq, "MERGE_TILE", tile)
+    case = make_fsq_case(q_heads=8, kv_heads=4, width=16, archived=1100,
+                         archived_lengths=[1100, 300], recent_lengths=[3, 1])
+    case["query"] = case["query"] * 4
+    check(case, num_splits=9)
+
+
 @pytest.mark.parametrize("levels,width", [(2, 40), (4, 33), (16, 84), (256, 17)])
 def test_every_kernel_level(levels, width):
     check(make_fsq_case(levels=levels, width=width, archived=70), num_splits=2)
