@@ -9,7 +9,7 @@
    position's absolute position, scores the group's query heads (padded to 16 rows for
    ``tl.dot``), and keeps an online softmax whose weights multiply the *codes*: ``acc[g] +=
    sum_n p[g, n] code_n`` (``width`` floats per head). No key or value leaves the registers.
-2. ``_merge_kernel``: one program per (batch, kv head) merges the splits, runs the exact sink
+2. ``_merge_kernel``: one program per (batch, query head) merges the splits, runs the exact sink
    and recent tokens (``_common.exact_tokens``) and applies the value decoder once:
    ``sum_n p_n v_n = value_decoder @ (sum_n p_n code_n) + value_bias * sum_n p_n``.
 
@@ -46,7 +46,8 @@ from kernels._validate import check_num_splits
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 RADIX_BITS = tl.constexpr(ROPE_RADIX_BITS)
 RADIX_MASK = tl.constexpr((1 << ROPE_RADIX_BITS) - 1)
-MERGE_TILE = 8192  # floats of the splits' scratch one merge step holds (64 per thread)
+MERGE_TILE = 8192  # floats of a merge step's tiles at most (64 per thread)
+MERGE_SPLITS = 64  # splits a merge step reads at most
 
 
 @triton.jit
@@ -254,71 +255,66 @@ def _merge_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, ale
                   q_sb, q_sh, sk_sb, sk_sh, sk_sn, sv_sb, sv_sh, sv_sn,
                   rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn,
                   a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp, vd_sh, vd_sd, vd_sw, vb_sh,
-                  o_sb, o_sh, KV_HEADS, GROUP, HEAD_DIM, WIDTH, SPLIT_LEN,
-                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
+                  o_sb, o_sh, Q_HEADS, GROUP, HEAD_DIM, WIDTH, SPLIT_LEN,
+                  HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
-    b = pid // KV_HEADS
-    kvh = pid % KV_HEADS
-    g = tl.arange(0, BLOCK_M)
-    g_ok = g < GROUP
-    heads = kvh * GROUP + g
+    b = pid // Q_HEADS
+    head = pid % Q_HEADS
+    kvh = head // GROUP
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    c = tl.arange(0, BLOCK_W)
-    c_ok = c < WIDTH
+    # the exact tokens, with the one head in the first of 16 rows (tl.dot's least)
+    g = tl.arange(0, 16)
+    first = g == 0
     m_e, l_e, o_e = exact_tokens(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, b,
-                                 kvh, heads, g_ok, d, d_ok, qk_scale, q_sb, q_sh,
+                                 kvh, head + g * 0, first, d, d_ok, qk_scale, q_sb, q_sh,
                                  sk_sb, sk_sh, sk_sn, sv_sb, sv_sh, sv_sn,
-                                 rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn, BLOCK_M, BLOCK_D,
-                                 BLOCK_E)
-    # the archive: merge the splits' (max, weight sum, weighted code sum), BLOCK_S splits per
-    # step as one (heads, splits, codes) tile, so a step waits on memory once (a split per
-    # step waited once per split: batch 1 at 32K context runs ~32 splits)
-    gs = tl.arange(0, BLOCK_G)
-    gs_ok = gs < GROUP
-    m_a = tl.full([BLOCK_G], NEG_BIG, tl.float32)
-    l_a = tl.zeros([BLOCK_G], tl.float32)
-    acc_g = tl.zeros([BLOCK_G, BLOCK_W], tl.float32)
+                                 rk_sb, rk_sh, rk_sn, rv_sb, rv_sh, rv_sn, 16, BLOCK_D, BLOCK_E)
+    m_e = tl.max(tl.where(first, m_e, NEG_BIG), axis=0)
+    l_e = tl.sum(tl.where(first, l_e, 0.0), axis=0)
+    o_e = tl.sum(tl.where(first[:, None], o_e, 0.0), axis=0)
+    # the archive: the splits' (max, weight sum) first, BLOCK_S splits a step (tiles, not a
+    # split a step: each step waits on memory once, and batch 1 runs ~32 splits), then per
+    # BLOCK_C codes their weighted sums through the value decoder's rows
     active = tl.cdiv(tl.load(alen_ptr + b), SPLIT_LEN)
-    ml_g = ml_ptr + b * ml_sb + (kvh * GROUP + gs)[:, None] * ml_sh
-    acc_gs = (acc_ptr + b * a_sb + (kvh * GROUP + gs)[:, None, None] * a_sh
-              + c[None, None, :])
+    ml_row = ml_ptr + b * ml_sb + head * ml_sh
+    m_a = tl.full([BLOCK_S], NEG_BIG, tl.float32)
     for s0 in range(0, active, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
-        ok = gs_ok[:, None] & (s < active)[None, :]
-        m_s = tl.load(ml_g + s[None, :] * ml_sp, mask=ok, other=NEG_BIG)
-        l_s = tl.load(ml_g + s[None, :] * ml_sp + 1, mask=ok, other=0.0)
-        part = tl.load(acc_gs + s[None, :, None] * a_sp,
-                       mask=ok[:, :, None] & c_ok[None, None, :], other=0.0)
-        m_new = tl.maximum(m_a, tl.max(m_s, axis=1))
-        alpha = tl.math.exp2(m_a - m_new)
-        beta = tl.math.exp2(m_s - m_new[:, None])
-        l_a = l_a * alpha + tl.sum(l_s * beta, axis=1)
-        acc_g = acc_g * alpha[:, None] + tl.sum(part * beta[:, :, None], axis=1)
-        m_a = m_new
-    if BLOCK_G == BLOCK_M:
-        acc = acc_g
-    else:  # (rows past the group for the product: tl.dot takes 16 rows at least)
-        onto = g[:, None] == gs[None, :]
-        acc = tl.sum(tl.where(onto[:, :, None], acc_g[None, :, :], 0.0), axis=1)
-        l_a = tl.sum(tl.where(onto, l_a[None, :], 0.0), axis=1)
-        m_a = tl.max(tl.where(onto, m_a[None, :], NEG_BIG), axis=1)
-    # the value decoder, once: (heads, width) @ (width, head_dim) (+ bias x weight sum)
-    vd = tl.load(vd_ptr + kvh * vd_sh + d[None, :] * vd_sd + c[:, None] * vd_sw,
-                 mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    values = tl.dot(acc, vd, input_precision="ieee")
+        m_a = tl.maximum(m_a, tl.load(ml_row + s * ml_sp, mask=s < active, other=NEG_BIG))
+    m_a = tl.max(m_a, axis=0)
+    l_a = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, active, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        m_s = tl.load(ml_row + s * ml_sp, mask=s < active, other=NEG_BIG)
+        l_a += tl.load(ml_row + s * ml_sp + 1, mask=s < active, other=0.0) * tl.math.exp2(
+            m_s - m_a)
+    l_a = tl.sum(l_a, axis=0)
+    values = tl.zeros([BLOCK_D], tl.float32)
+    acc_row = acc_ptr + b * a_sb + head * a_sh
+    for c0 in tl.static_range(0, BLOCK_W, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = c < WIDTH
+        code_sum = tl.zeros([BLOCK_C], tl.float32)
+        for s0 in range(0, active, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            beta = tl.math.exp2(tl.load(ml_row + s * ml_sp, mask=s < active, other=NEG_BIG)
+                                - m_a)
+            part = tl.load(acc_row + s[:, None] * a_sp + c[None, :],
+                           mask=(s < active)[:, None] & c_ok[None, :], other=0.0)
+            code_sum += tl.sum(part * beta[:, None], axis=0)
+        vd = tl.load(vd_ptr + kvh * vd_sh + d[None, :] * vd_sd + c[:, None] * vd_sw,
+                     mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        values += tl.sum(code_sum[:, None] * vd, axis=0)
     if HAS_BIAS:
-        bias = tl.load(vb_ptr + kvh * vb_sh + d, mask=d_ok, other=0.0).to(tl.float32)
-        values += l_a[:, None] * bias[None, :]
+        values += l_a * tl.load(vb_ptr + kvh * vb_sh + d, mask=d_ok, other=0.0).to(tl.float32)
     m = tl.maximum(m_e, m_a)
     w_e = tl.math.exp2(m_e - m)
     w_a = tl.math.exp2(m_a - m)
-    total = tl.where(g_ok, l_e * w_e + l_a * w_a, 1.0)
-    out = (o_e * w_e[:, None] + values * w_a[:, None]) / total[:, None]
-    tl.store(out_ptr + b * o_sb + heads[:, None] * o_sh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    out = (o_e * w_e + values * w_a) / (l_e * w_e + l_a * w_a)
+    tl.store(out_ptr + b * o_sb + head * o_sh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_ok)
 
 
 def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int | None = None,
@@ -407,15 +403,16 @@ def _merge(p: FsqProblem, acc: torch.Tensor, ml: torch.Tensor, split_len: int) -
     vd = p.value_decoder
     vb = p.value_bias if p.value_bias is not None else vd
     out = torch.empty(batch, q_heads, head_dim, dtype=p.query.dtype, device=p.query.device)
-    block_g, block_w = pow2(group), pow2(p.width, 16)
-    _merge_kernel[(batch * kv_heads,)](
+    block_w, block_d = pow2(p.width, 16), pow2(head_dim, 16)
+    block_s = min(pow2(acc.shape[2]), MERGE_SPLITS)
+    # (codes per step: the (splits, codes) and (codes, head dims) tiles within MERGE_TILE)
+    block_c = max(1, min(block_w, MERGE_TILE // block_s, MERGE_TILE // block_d))
+    _merge_kernel[(batch * q_heads,)](
         p.query, sk, sv, rk, rv, p.sink_lengths, p.recent_lengths, p.archived_lengths,
         acc, ml, vd, vb, out, p.scale * LOG2E, p.query.stride(0), p.query.stride(1),
         *sk.stride()[:3], *sv.stride()[:3], *rk.stride()[:3], *rv.stride()[:3],
         *acc.stride()[:3], *ml.stride()[:3], *vd.stride(), vb.stride(0),
-        out.stride(0), out.stride(1), kv_heads, group, head_dim, p.width, split_len,
-        HAS_BIAS=p.value_bias is not None, BLOCK_M=max(16, pow2(group)),
-        BLOCK_D=pow2(head_dim, 16), BLOCK_W=block_w, BLOCK_E=16, BLOCK_G=block_g,
-        BLOCK_S=min(pow2(acc.shape[2]), max(1, MERGE_TILE // (block_g * block_w))),
-        num_warps=4)
+        out.stride(0), out.stride(1), q_heads, group, head_dim, p.width, split_len,
+        HAS_BIAS=p.value_bias is not None, BLOCK_D=block_d, BLOCK_W=block_w, BLOCK_E=16,
+        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=4)
     return out

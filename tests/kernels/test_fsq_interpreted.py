@@ -75,13 +75,15 @@ def test_qwen3_path_matches_reference(dtype, q_heads, kv_heads):
     check(case, num_splits=3)
 
 
-@pytest.mark.parametrize("tile", [64, 256])
-def test_merge_takes_splits_in_steps(monkeypatch, tile):
-    # the merge reads BLOCK_S splits per step (MERGE_TILE floats): shrunk here so 9 splits
-    # take 5 or 2 steps (the last part-masked) with 2 query heads per kv head, the second
-    # sequence with fewer splits; the query scaled up so the splits' maxima differ widely
+@pytest.mark.parametrize("splits,tile", [(2, 64), (4, 8192)])
+def test_merge_takes_splits_in_steps(monkeypatch, splits, tile):
+    # the merge reads MERGE_SPLITS splits and MERGE_TILE floats a step: shrunk here so 9
+    # splits take 5 or 3 steps (the last part-masked) and the codes 8 or 1 (2 query heads per
+    # kv head; the second sequence has fewer splits); the query scaled up so the splits'
+    # maxima differ widely
     import kernels._fsq as fsq
 
+    monkeypatch.setattr(fsq, "MERGE_SPLITS", splits)
     monkeypatch.setattr(fsq, "MERGE_TILE", tile)
     case = make_fsq_case(q_heads=8, kv_heads=4, width=16, archived=1100,
                          archived_lengths=[1100, 300], recent_lengths=[3, 1])
