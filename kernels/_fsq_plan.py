@@ -208,11 +208,10 @@ WS_SHARED_LIMIT = 227 * 1024  # shared memory one block may use on sm_90
 WS_SHARED_SLACK = 4096  # the compiler's own shared memory beside the buffers (barriers)
 
 
-# bytes per kv head of the key bias in shared memory, by how the kernel adds it: as one more
-# MMA step's (16, head_dim) 16-bit tile, or in float as head_dim fp32s; none where it rides
-# in padding codes (ws_code_columns) or there is no bias
-WS_BIAS_BYTES = {"mma": lambda head_dim: 32 * head_dim, "float": lambda head_dim: 4 * head_dim,
-                 None: lambda head_dim: 0}
+# bytes per kv head and head dim of the key bias in shared memory, by how the kernel adds it:
+# as one more MMA step's (16, head_dim) 16-bit tile, or in float as head_dim fp32s; none where
+# it rides in padding codes (ws_code_columns) or there is no bias
+WS_BIAS_BYTES = {"mma": 32, "float": 4, None: 0}
 
 
 def ws_shared_bytes(width: int, head_dim: int, bits: int, norm: bool = True, heads: int = 1,
@@ -229,7 +228,7 @@ def ws_shared_bytes(width: int, head_dim: int, bits: int, norm: bool = True, hea
     block_w = ws_block_bytes(width, bits) * (8 // bits)
     return (heads * 2 * block_w * head_dim + code_stages * 2 * WS_BLOCK_N * block_w
             + key_stages * (2 * WS_BLOCK_N * head_dim + (4 * WS_BLOCK_N if norm else 0))
-            + 2 * 16 * head_dim + 2 * WS_BLOCK_N * 16 + heads * WS_BIAS_BYTES[bias](head_dim))
+            + 2 * 16 * head_dim + 2 * WS_BLOCK_N * 16 + heads * WS_BIAS_BYTES[bias] * head_dim)
 
 
 WS_MAX_HEADS = 4  # kv heads one program of the warp-specialized kernel takes at most
