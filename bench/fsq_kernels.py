@@ -18,6 +18,7 @@ per row: bytes moved / bandwidth, tensor-core FLOPs / matmul rate. Also extra pe
         [--contexts 32768 131072] [--batches 1 8]
     python bench/fsq_kernels.py --heads   # kv heads per program of the Hopper kernel
     python bench/fsq_kernels.py --variants   # its code-column knobs on and off
+    python bench/fsq_kernels.py --merge   # the merge kernel's knobs on and off
     python bench/fsq_kernels.py --plot bench/results/fsq_kernels.json   # table + docs figure
 """
 
@@ -379,6 +380,45 @@ def variants_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
     return checked_then_timed(run, lambda small: knob_sets, label, points, check_context)
 
 
+MERGE_VARIANTS = ({}, {"pdl": False}, {"block_e": 32}, {"block_e": 32, "num_warps": 8},
+                  {"pdl": False, "block_e": 32, "num_warps": 8})
+
+
+def merge_sweep(points=((1, 32768), (1, 131072), (8, 32768), (8, 131072)),
+                check_context=4096, knob_sets=MERGE_VARIANTS):
+    """The merge's knobs (``_fsq.MERGE_TUNING``: warps, exact tokens per step, launched as a
+    programmatic dependent of the split kernel) at each config, :func:`checked_then_timed`,
+    with SDPA's CUDA-graph time on the same shapes' dense fp16 cache in each row."""
+    import torch
+    import torch.nn.functional as F
+
+    from kernels import _fsq
+
+    def run(problem, knobs):
+        saved = dict(_fsq.MERGE_TUNING)
+        _fsq.MERGE_TUNING.update(knobs)
+        try:
+            return _fsq.decode(problem)
+        finally:
+            _fsq.MERGE_TUNING.update(saved)
+
+    def sdpa(problem):
+        batch, hq, d = problem.query.shape
+        context = problem.codes.shape[1] + SINKS + RECENT
+        q = problem.query.to(torch.float16)[:, :, None, :]
+        k = torch.randn(batch, problem.kv_heads, context, d, device="cuda",
+                        dtype=torch.float16)
+        return {"sdpa": time_ms(functools.partial(F.scaled_dot_product_attention, q, k,
+                                                  torch.randn_like(k),
+                                                  enable_gqa=hq != problem.kv_heads),
+                                graph=True)}
+
+    def label(knobs):
+        return ",".join(f"{k}={v}" for k, v in knobs.items()) or "shipped"
+
+    return checked_then_timed(run, lambda small: knob_sets, label, points, check_context, sdpa)
+
+
 def eager_calls(points=((1, 4096), (1, 32768), (8, 32768))):
     """Host-side cost of one call (batch 1, and batch 8 at 32K): eager time (launches from
     Python, ``do_bench``) of the validated call, of the trusted per-step path
@@ -481,7 +521,7 @@ def plot(data, figure: Path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                    help="with --heads / --variants / --eager the default is "
+                    help="with --heads / --variants / --merge / --eager the default is "
                     "fsq_kernels_<flag>.json beside it")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--contexts", type=int, nargs="+", help="grid contexts (default: 4K-128K)")
@@ -495,6 +535,8 @@ def main(argv=None):
     ap.add_argument("--knobs", type=json.loads, nargs="+", metavar="JSON",
                     help="with --variants: the knob settings to time instead of the built-in "
                     "list, each a JSON object of changes, e.g. '{}' '{\"halves\": false}'")
+    ap.add_argument("--merge", action="store_true", help="only the merge kernel's knobs "
+                    "(_fsq.MERGE_TUNING) on and off, SDPA beside them")
     ap.add_argument("--eager", action="store_true", help="only the host-side cost of a call "
                     "(validated, trusted path, SDPA) at a few small shapes")
     ap.add_argument("--plot", type=Path, help="print the table of a saved result")
@@ -525,7 +567,7 @@ def main(argv=None):
     variants = (functools.partial(variants_sweep, knob_sets=tuple(args.knobs))
                 if args.knobs else variants_sweep)
     for flag, measure in (("heads", heads_sweep), ("variants", variants),
-                          ("eager", eager_calls)):
+                          ("merge", merge_sweep), ("eager", eager_calls)):
         if getattr(args, flag):  # one measurement alone, to its own file by default
             out = args.out
             if out == DEFAULT_OUT:

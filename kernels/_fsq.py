@@ -24,6 +24,8 @@ at the position.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -48,6 +50,10 @@ RADIX_BITS = tl.constexpr(ROPE_RADIX_BITS)
 RADIX_MASK = tl.constexpr((1 << ROPE_RADIX_BITS) - 1)
 MERGE_TILE = 8192  # floats of a merge step's tiles at most (64 per thread)
 MERGE_SPLITS = 64  # splits a merge step reads at most
+# the merge's warps, exact tokens per step, and whether it is launched as a programmatic
+# dependent of the split kernel (Hopper and later: its exact tokens run while the split
+# kernel finishes, and it waits for the splits' scratch only then)
+MERGE_TUNING = {"num_warps": 4, "block_e": 16, "pdl": True}
 
 
 @triton.jit
@@ -158,7 +164,9 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
                   Q_T: tl.constexpr, KEY_ROUND: tl.constexpr, P_ROUND: tl.constexpr,
                   BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
+                  BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the merge may start now: it waits for this grid before reading the scratch
+        tl.extra.cuda.gdc_launch_dependents()
     split = tl.program_id(0)
     pid = tl.program_id(1)
     b = pid // KV_HEADS
@@ -257,14 +265,16 @@ def _merge_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, ale
                   a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp, vd_sh, vd_sd, vd_sw, vb_sh,
                   o_sb, o_sh, Q_HEADS, GROUP, HEAD_DIM, WIDTH, SPLIT_LEN,
                   HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+                  ONE_STEP: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // Q_HEADS
     head = pid % Q_HEADS
     kvh = head // GROUP
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    # the exact tokens, with the one head in the first of 16 rows (tl.dot's least)
+    # the exact tokens, with the one head in the first of 16 rows (tl.dot's least); they do
+    # not depend on the split kernel, so a dependent launch runs them during its last wave
     g = tl.arange(0, 16)
     first = g == 0
     m_e, l_e, o_e = exact_tokens(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, b,
@@ -274,36 +284,45 @@ def _merge_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, ale
     m_e = tl.max(tl.where(first, m_e, NEG_BIG), axis=0)
     l_e = tl.sum(tl.where(first, l_e, 0.0), axis=0)
     o_e = tl.sum(tl.where(first[:, None], o_e, 0.0), axis=0)
-    # the archive: the splits' (max, weight sum) first, BLOCK_S splits a step (tiles, not a
-    # split a step: each step waits on memory once, and batch 1 runs ~32 splits), then per
-    # BLOCK_C codes their weighted sums through the value decoder's rows
+    if PDL:  # the split kernel's scratch is complete (and visible) past this point
+        tl.extra.cuda.gdc_wait()
+    # the archive: the splits' (max, weight sum), BLOCK_S splits a step (each step waits on
+    # memory once; batch 1 runs ~32 splits) merged online per lane, then per BLOCK_C codes
+    # the splits' weighted sums through the value decoder's rows
     active = tl.cdiv(tl.load(alen_ptr + b), SPLIT_LEN)
     ml_row = ml_ptr + b * ml_sb + head * ml_sh
-    m_a = tl.full([BLOCK_S], NEG_BIG, tl.float32)
-    for s0 in range(0, active, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        m_a = tl.maximum(m_a, tl.load(ml_row + s * ml_sp, mask=s < active, other=NEG_BIG))
-    m_a = tl.max(m_a, axis=0)
-    l_a = tl.zeros([BLOCK_S], tl.float32)
+    m_lane = tl.full([BLOCK_S], NEG_BIG, tl.float32)
+    l_lane = tl.zeros([BLOCK_S], tl.float32)
     for s0 in range(0, active, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         m_s = tl.load(ml_row + s * ml_sp, mask=s < active, other=NEG_BIG)
-        l_a += tl.load(ml_row + s * ml_sp + 1, mask=s < active, other=0.0) * tl.math.exp2(
-            m_s - m_a)
-    l_a = tl.sum(l_a, axis=0)
+        l_s = tl.load(ml_row + s * ml_sp + 1, mask=s < active, other=0.0)
+        m_new = tl.maximum(m_lane, m_s)
+        l_lane = l_lane * tl.math.exp2(m_lane - m_new) + l_s * tl.math.exp2(m_s - m_new)
+        m_lane = m_new
+    m_a = tl.max(m_lane, axis=0)
+    l_a = tl.sum(l_lane * tl.math.exp2(m_lane - m_a), axis=0)
+    # ONE_STEP (every split in one tile): the lanes hold the splits' own maxima
+    beta_one = tl.math.exp2(m_lane - m_a)
     values = tl.zeros([BLOCK_D], tl.float32)
     acc_row = acc_ptr + b * a_sb + head * a_sh
     for c0 in tl.static_range(0, BLOCK_W, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         c_ok = c < WIDTH
-        code_sum = tl.zeros([BLOCK_C], tl.float32)
-        for s0 in range(0, active, BLOCK_S):
-            s = s0 + tl.arange(0, BLOCK_S)
-            beta = tl.math.exp2(tl.load(ml_row + s * ml_sp, mask=s < active, other=NEG_BIG)
-                                - m_a)
+        if ONE_STEP:
+            s = tl.arange(0, BLOCK_S)
             part = tl.load(acc_row + s[:, None] * a_sp + c[None, :],
                            mask=(s < active)[:, None] & c_ok[None, :], other=0.0)
-            code_sum += tl.sum(part * beta[:, None], axis=0)
+            code_sum = tl.sum(part * beta_one[:, None], axis=0)
+        else:
+            code_sum = tl.zeros([BLOCK_C], tl.float32)
+            for s0 in range(0, active, BLOCK_S):
+                s = s0 + tl.arange(0, BLOCK_S)
+                beta = tl.math.exp2(
+                    tl.load(ml_row + s * ml_sp, mask=s < active, other=NEG_BIG) - m_a)
+                part = tl.load(acc_row + s[:, None] * a_sp + c[None, :],
+                               mask=(s < active)[:, None] & c_ok[None, :], other=0.0)
+                code_sum += tl.sum(part * beta[:, None], axis=0)
         vd = tl.load(vd_ptr + kvh * vd_sh + d[None, :] * vd_sd + c[:, None] * vd_sw,
                      mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         values += tl.sum(code_sum[:, None] * vd, axis=0)
@@ -315,6 +334,22 @@ def _merge_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, ale
     out = (o_e * w_e + values * w_a) / (l_e * w_e + l_a * w_a)
     tl.store(out_ptr + b * o_sb + head * o_sh + d, out.to(out_ptr.dtype.element_ty),
              mask=d_ok)
+
+
+@functools.lru_cache(maxsize=16)
+def pdl_ready(device: torch.device) -> bool:
+    """Whether launches on ``device`` can be programmatic dependents (an NVIDIA GPU of compute
+    capability >= 9, compiled kernels, and a Triton whose launcher takes ``launch_pdl``)."""
+    if interpreted() or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(cuda, "gdc_wait")
 
 
 def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int | None = None,
@@ -346,20 +381,21 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
     codes = p.codes
     if codes.shape[1] == 0:  # no archived slot: real (never read) memory for the launcher
         codes = codes.new_zeros(batch, 1, codes.shape[2])
+    pdl = MERGE_TUNING["pdl"] and pdl_ready(device)
     if ws:
         from kernels import _fsq_ws
 
-        _fsq_ws.launch_split(p, codes, acc, ml, split_len, splits)
+        _fsq_ws.launch_split(p, codes, acc, ml, split_len, splits, pdl=pdl)
     else:
         _launch_split(p, codes, acc, ml, split_len, splits, block_n,
                       tune["num_warps"] if num_warps is None else num_warps,
-                      tune["num_stages"] if num_stages is None else num_stages)
-    return _merge(p, acc, ml, split_len)
+                      tune["num_stages"] if num_stages is None else num_stages, pdl)
+    return _merge(p, acc, ml, split_len, pdl)
 
 
 def _launch_split(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torch.Tensor,
                   split_len: int, splits: int, block_n: int, num_warps: int,
-                  num_stages: int) -> None:
+                  num_stages: int, pdl: bool = False) -> None:
     batch, q_heads, head_dim = p.query.shape
     kv_heads, width = p.kv_heads, p.width
     group = q_heads // kv_heads
@@ -390,11 +426,13 @@ def _launch_split(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: tor
         CODE_T=code_t, Q_T=tl.float32 if widen else _TL[p.query.dtype],
         KEY_ROUND=_TL[p.query.dtype], P_ROUND=p_round, BLOCK_M=max(16, pow2(group)),
         BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_W=block_b * subs, BLOCK_H=pow2(half, 16),
-        num_warps=num_warps, num_stages=num_stages)
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages)
 
 
-def _merge(p: FsqProblem, acc: torch.Tensor, ml: torch.Tensor, split_len: int) -> torch.Tensor:
-    """The merge kernel over the splits' scratch: the exact tokens, the value decoder."""
+def _merge(p: FsqProblem, acc: torch.Tensor, ml: torch.Tensor, split_len: int,
+           pdl: bool = False) -> torch.Tensor:
+    """The merge kernel over the splits' scratch: the exact tokens, the value decoder;
+    ``pdl``: launched as a programmatic dependent of the split kernel just launched."""
     batch, q_heads, head_dim = p.query.shape
     kv_heads = p.kv_heads
     group = q_heads // kv_heads
@@ -413,6 +451,8 @@ def _merge(p: FsqProblem, acc: torch.Tensor, ml: torch.Tensor, split_len: int) -
         *sk.stride()[:3], *sv.stride()[:3], *rk.stride()[:3], *rv.stride()[:3],
         *acc.stride()[:3], *ml.stride()[:3], *vd.stride(), vb.stride(0),
         out.stride(0), out.stride(1), q_heads, group, head_dim, p.width, split_len,
-        HAS_BIAS=p.value_bias is not None, BLOCK_D=block_d, BLOCK_W=block_w, BLOCK_E=16,
-        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=4)
+        HAS_BIAS=p.value_bias is not None, BLOCK_D=block_d, BLOCK_W=block_w,
+        BLOCK_E=MERGE_TUNING["block_e"], BLOCK_S=block_s, BLOCK_C=block_c,
+        ONE_STEP=acc.shape[2] <= block_s, PDL=pdl, num_warps=MERGE_TUNING["num_warps"],
+        **({"launch_pdl": True} if pdl else {}))
     return out
