@@ -380,8 +380,9 @@ def variants_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
     return checked_then_timed(run, lambda small: knob_sets, label, points, check_context)
 
 
-MERGE_VARIANTS = ({}, {"pdl": False}, {"block_e": 32}, {"block_e": 32, "num_warps": 8},
-                  {"pdl": False, "block_e": 32, "num_warps": 8})
+MERGE_VARIANTS = ({}, {"pdl": True}, {"pdl": True, "block_e": 32},
+                  {"pdl": True, "block_e": 32, "num_warps": 8},
+                  {"block_e": 32, "num_warps": 8})
 
 
 def merge_sweep(points=((1, 32768), (1, 131072), (8, 32768), (8, 131072)),
