@@ -52,9 +52,8 @@ MERGE_TILE = 8192  # floats of a merge step's tiles at most (64 per thread)
 MERGE_SPLITS = 64  # splits a merge step reads at most
 # the merge's warps, exact tokens per step, and whether it is launched as a programmatic
 # dependent of the split kernel (Hopper and later: its exact tokens run while the split
-# kernel finishes, and it waits for the splits' scratch only then). `pdl` is off until it is
-# timed on a GPU (`python bench/fsq_kernels.py --merge`): the RVQ kernel's dependent
-# launches lost up to 18% at batch 1, 128K (docs/kernels.md)
+# kernel finishes, and it waits for the splits' scratch only then). `pdl` is off: within
+# 0.97x-1.03x of the plain launch on an H100 (`python bench/fsq_kernels.py --merge`)
 MERGE_TUNING = {"num_warps": 4, "block_e": 16, "pdl": False}
 
 
