@@ -380,15 +380,16 @@ def variants_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
     return checked_then_timed(run, lambda small: knob_sets, label, points, check_context)
 
 
-MERGE_VARIANTS = ({}, {"pdl": True}, {"pdl": True, "block_e": 32},
-                  {"pdl": True, "block_e": 32, "num_warps": 8},
-                  {"block_e": 32, "num_warps": 8})
+# (also measured and removed: the merge launched as a programmatic dependent of the split
+# kernel, its exact tokens before `griddepcontrol.wait`: 0.97x-1.03x, commit 3236a20's
+# fsq_kernels_merge_knobs.json)
+MERGE_VARIANTS = ({}, {"block_e": 32}, {"block_e": 32, "num_warps": 8})
 
 
 def merge_sweep(points=((1, 32768), (1, 131072), (8, 32768), (8, 131072)),
                 check_context=4096, knob_sets=MERGE_VARIANTS):
-    """The merge's knobs (``_fsq.MERGE_TUNING``: warps, exact tokens per step, launched as a
-    programmatic dependent of the split kernel) at each config, :func:`checked_then_timed`,
+    """The merge's knobs (``_fsq.MERGE_TUNING``: warps, exact tokens per step) at each config,
+    :func:`checked_then_timed`,
     with SDPA's CUDA-graph time on the same shapes' dense fp16 cache in each row."""
     import torch
     import torch.nn.functional as F

@@ -24,8 +24,6 @@ at the position.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -50,11 +48,8 @@ RADIX_BITS = tl.constexpr(ROPE_RADIX_BITS)
 RADIX_MASK = tl.constexpr((1 << ROPE_RADIX_BITS) - 1)
 MERGE_TILE = 8192  # floats of a merge step's tiles at most (64 per thread)
 MERGE_SPLITS = 64  # splits a merge step reads at most
-# the merge's warps, exact tokens per step, and whether it is launched as a programmatic
-# dependent of the split kernel (Hopper and later: its exact tokens run while the split
-# kernel finishes, and it waits for the splits' scratch only then). `pdl` is off: within
-# 0.97x-1.03x of the plain launch on an H100 (`python bench/fsq_kernels.py --merge`)
-MERGE_TUNING = {"num_warps": 4, "block_e": 16, "pdl": False}
+# the merge's warps and exact tokens per step (`python bench/fsq_kernels.py --merge`)
+MERGE_TUNING = {"num_warps": 4, "block_e": 16}
 
 
 @triton.jit
@@ -165,9 +160,7 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
                   Q_T: tl.constexpr, KEY_ROUND: tl.constexpr, P_ROUND: tl.constexpr,
                   BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr,
-                  BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the merge may start now: it waits for this grid before reading the scratch
-        tl.extra.cuda.gdc_launch_dependents()
+                  BLOCK_H: tl.constexpr):
     split = tl.program_id(0)
     pid = tl.program_id(1)
     b = pid // KV_HEADS
@@ -267,15 +260,14 @@ def _merge_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, ale
                   o_sb, o_sh, Q_HEADS, GROUP, HEAD_DIM, WIDTH, SPLIT_LEN,
                   HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
-                  ONE_STEP: tl.constexpr, PDL: tl.constexpr):
+                  ONE_STEP: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // Q_HEADS
     head = pid % Q_HEADS
     kvh = head // GROUP
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    # the exact tokens, with the one head in the first of 16 rows (tl.dot's least); they do
-    # not depend on the split kernel, so a dependent launch runs them during its last wave
+    # the exact tokens, with the one head in the first of 16 rows (tl.dot's least)
     g = tl.arange(0, 16)
     first = g == 0
     m_e, l_e, o_e = exact_tokens(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, b,
@@ -285,8 +277,6 @@ def _merge_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, ale
     m_e = tl.max(tl.where(first, m_e, NEG_BIG), axis=0)
     l_e = tl.sum(tl.where(first, l_e, 0.0), axis=0)
     o_e = tl.sum(tl.where(first[:, None], o_e, 0.0), axis=0)
-    if PDL:  # the split kernel's scratch is complete (and visible) past this point
-        tl.extra.cuda.gdc_wait()
     # the archive: the splits' (max, weight sum), BLOCK_S splits a step (each step waits on
     # memory once; batch 1 runs ~32 splits) merged online per lane, then per BLOCK_C codes
     # the splits' weighted sums through the value decoder's rows
@@ -337,22 +327,6 @@ def _merge_kernel(q_ptr, sk_ptr, sv_ptr, rk_ptr, rv_ptr, slen_ptr, rlen_ptr, ale
              mask=d_ok)
 
 
-@functools.lru_cache(maxsize=16)
-def pdl_ready(device: torch.device) -> bool:
-    """Whether launches on ``device`` can be programmatic dependents (an NVIDIA GPU of compute
-    capability >= 9, compiled kernels, and a Triton whose launcher takes ``launch_pdl``)."""
-    if interpreted() or device.type != "cuda" or torch.version.hip is not None:
-        return False
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-        from triton.language.extra import cuda
-    except ImportError:
-        return False
-    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(cuda, "gdc_wait")
-
-
 def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int | None = None,
            block_n: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Run the two kernels on a validated problem; ``(batch, q_heads, head_dim)`` in the
@@ -382,21 +356,20 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
     codes = p.codes
     if codes.shape[1] == 0:  # no archived slot: real (never read) memory for the launcher
         codes = codes.new_zeros(batch, 1, codes.shape[2])
-    pdl = MERGE_TUNING["pdl"] and pdl_ready(device)
     if ws:
         from kernels import _fsq_ws
 
-        _fsq_ws.launch_split(p, codes, acc, ml, split_len, splits, pdl=pdl)
+        _fsq_ws.launch_split(p, codes, acc, ml, split_len, splits)
     else:
         _launch_split(p, codes, acc, ml, split_len, splits, block_n,
                       tune["num_warps"] if num_warps is None else num_warps,
-                      tune["num_stages"] if num_stages is None else num_stages, pdl)
-    return _merge(p, acc, ml, split_len, pdl)
+                      tune["num_stages"] if num_stages is None else num_stages)
+    return _merge(p, acc, ml, split_len)
 
 
 def _launch_split(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torch.Tensor,
                   split_len: int, splits: int, block_n: int, num_warps: int,
-                  num_stages: int, pdl: bool = False) -> None:
+                  num_stages: int) -> None:
     batch, q_heads, head_dim = p.query.shape
     kv_heads, width = p.kv_heads, p.width
     group = q_heads // kv_heads
@@ -427,13 +400,11 @@ def _launch_split(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: tor
         CODE_T=code_t, Q_T=tl.float32 if widen else _TL[p.query.dtype],
         KEY_ROUND=_TL[p.query.dtype], P_ROUND=p_round, BLOCK_M=max(16, pow2(group)),
         BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_W=block_b * subs, BLOCK_H=pow2(half, 16),
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages)
 
 
-def _merge(p: FsqProblem, acc: torch.Tensor, ml: torch.Tensor, split_len: int,
-           pdl: bool = False) -> torch.Tensor:
-    """The merge kernel over the splits' scratch: the exact tokens, the value decoder;
-    ``pdl``: launched as a programmatic dependent of the split kernel just launched."""
+def _merge(p: FsqProblem, acc: torch.Tensor, ml: torch.Tensor, split_len: int) -> torch.Tensor:
+    """The merge kernel over the splits' scratch: the exact tokens, the value decoder."""
     batch, q_heads, head_dim = p.query.shape
     kv_heads = p.kv_heads
     group = q_heads // kv_heads
@@ -454,6 +425,5 @@ def _merge(p: FsqProblem, acc: torch.Tensor, ml: torch.Tensor, split_len: int,
         out.stride(0), out.stride(1), q_heads, group, head_dim, p.width, split_len,
         HAS_BIAS=p.value_bias is not None, BLOCK_D=block_d, BLOCK_W=block_w,
         BLOCK_E=MERGE_TUNING["block_e"], BLOCK_S=block_s, BLOCK_C=block_c,
-        ONE_STEP=acc.shape[2] <= block_s, PDL=pdl, num_warps=MERGE_TUNING["num_warps"],
-        **({"launch_pdl": True} if pdl else {}))
+        ONE_STEP=acc.shape[2] <= block_s, num_warps=MERGE_TUNING["num_warps"])
     return out

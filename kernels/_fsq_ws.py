@@ -422,9 +422,7 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                      WORDS: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
                      PREFETCH: gl.constexpr, BIAS_CODE: gl.constexpr, K_CHUNKS: gl.constexpr,
                      KEY_AHEAD: gl.constexpr, BIAS_MMA: gl.constexpr, PARTS: gl.constexpr,
-                     UNPACK_REGS: gl.constexpr, KEY_REGS: gl.constexpr, PDL: gl.constexpr):
-    if PDL:  # the merge may start now: it waits for this grid before reading the scratch
-        tl.extra.cuda.gdc_launch_dependents()
+                     UNPACK_REGS: gl.constexpr, KEY_REGS: gl.constexpr):
     kvh0 = (gl.program_id(1) % KV_GROUPS) * HEADS
     # the key decoders of the program's kv heads go to shared memory once (the key products'
     # B operands), each in PARTS column parts (BLOCK_W, 2 HALF / PARTS), head dims
@@ -521,15 +519,13 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
 
 def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torch.Tensor,
                      split_len: int, regs: tuple[int, int, int] = (168, 104, 232),
-                     heads: tuple[int, int, int] | None = None,
-                     pdl: bool = False) -> tuple[list, dict, dict]:
+                     heads: tuple[int, int, int] | None = None) -> tuple[list, dict, dict]:
     """``(arguments, constexprs, options)`` of one launch of ``_split_kernel_ws`` on a problem
     ``ws_limit`` accepts (``codes`` with at least one row). ``regs``: registers per thread of
     the scores, unpack and keys partitions (``setmaxnreg``; at most 512 in all, so the three
     warp groups fit one multiprocessor's register file). ``heads``: ``(kv heads per program,
     code buffers, key buffers)``, by default ``_fsq_plan.ws_program_heads``; the grid's second
-    axis is ``batch x kv_heads / heads``. ``pdl``: each program first lets a programmatic
-    dependent launch (the merge) start."""
+    axis is ``batch x kv_heads / heads``."""
     batch, q_heads, head_dim = p.query.shape
     kv_heads, width = p.kv_heads, p.width
     half = head_dim // 2
@@ -564,16 +560,15 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
                   KEY_AHEAD=WS_TUNING["key_ahead"],
                   BIAS_MMA=p.key_bias is not None and bias_code < 0 and WS_TUNING["bias_mma"],
                   PARTS=2 if WS_TUNING["halves"] else 1,
-                  UNPACK_REGS=regs[1], KEY_REGS=regs[2], PDL=pdl)
+                  UNPACK_REGS=regs[1], KEY_REGS=regs[2])
     return args, consts, {"num_warps": 4, "maxnreg": regs[0]}
 
 
 def launch_split(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torch.Tensor,
-                 split_len: int, splits: int, heads: tuple[int, int, int] | None = None,
-                 pdl: bool = False) -> None:
+                 split_len: int, splits: int, heads: tuple[int, int, int] | None = None) -> None:
     """Run the warp-specialized split kernel on a problem ``ws_limit`` accepts, writing the
     same ``acc`` / ``ml`` scratch as ``_fsq._split_kernel`` (``heads`` as
-    :func:`kernel_arguments`; ``pdl``: let a programmatic dependent launch start now)."""
-    args, consts, options = kernel_arguments(p, codes, acc, ml, split_len, heads=heads, pdl=pdl)
+    :func:`kernel_arguments`)."""
+    args, consts, options = kernel_arguments(p, codes, acc, ml, split_len, heads=heads)
     programs = p.query.shape[0] * p.kv_heads // consts["HEADS"]
     _split_kernel_ws[(splits, programs)](*args, **consts, **options)

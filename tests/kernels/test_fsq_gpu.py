@@ -219,27 +219,3 @@ def test_gpu_warp_specialized_kernel_long_context():
     assert uses_ws(validate_fsq_args(**case))
     for splits in (None, 1):
         check(case, num_splits=splits)
-
-
-@pytest.mark.parametrize("ws", [True, False], ids=["warp-specialized", "triton-split"])
-def test_gpu_dependent_merge_waits_for_the_splits(monkeypatch, ws):
-    """The merge, launched as a programmatic dependent of the split kernel, reads the splits'
-    scratch only once they are written: two problems of one shape alternate (the caching
-    allocator hands each call the other's scratch, so a merge that read too early would see
-    the other problem's sums), and every output is bit-equal to the plainly launched one."""
-    from kernels import _fsq
-
-    if not _fsq.pdl_ready(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs compute capability >= 9")
-    monkeypatch.setitem(SPLIT_TUNING, "ws", ws)
-    cases = [make_fsq_case(batch=2, width=84, archived=40000, sinks=4, recent=32,
-                           dtype=torch.bfloat16, device="cuda", seed=seed, **QWEN3)
-             for seed in (0, 1)]
-    problems = [validate_fsq_args(**case) for case in cases]
-    monkeypatch.setitem(_fsq.MERGE_TUNING, "pdl", False)
-    plain = [_fsq.decode(p) for p in problems]
-    assert not torch.equal(plain[0], plain[1])
-    monkeypatch.setitem(_fsq.MERGE_TUNING, "pdl", True)
-    outs = [_fsq.decode(problems[i % 2]) for i in range(20)]
-    for i, out in enumerate(outs):
-        torch.testing.assert_close(out, plain[i % 2], rtol=0, atol=0)

@@ -307,12 +307,12 @@ def test_routing_on_a_pretend_hopper(monkeypatch):
     monkeypatch.setattr(_fsq_plan, "_is_hopper", lambda device: True)
     monkeypatch.setattr(_fsq_plan, "_triton_version", lambda: (3, 6))
     calls = []
-    monkeypatch.setattr(_fsq_ws, "launch_split", lambda p, codes, acc, ml, split_len, splits,
-                        pdl: calls.append(("ws", split_len, splits)))
+    monkeypatch.setattr(_fsq_ws, "launch_split", lambda p, codes, acc, ml, split_len, splits:
+                        calls.append(("ws", split_len, splits)))
     monkeypatch.setattr(_fsq, "_launch_split", lambda p, codes, acc, ml, split_len, splits,
-                        block_n, num_warps, num_stages, pdl:
+                        block_n, num_warps, num_stages:
                         calls.append(("triton", split_len, splits, block_n, num_warps)))
-    monkeypatch.setattr(_fsq, "_merge", lambda p, acc, ml, split_len, pdl: acc)
+    monkeypatch.setattr(_fsq, "_merge", lambda p, acc, ml, split_len: acc)
     problem = validate_fsq_args(**make_fsq_case(dtype=torch.bfloat16, archived=5000))
     assert uses_ws(problem) and default_block_n(problem) == 64
     _fsq.decode(problem)

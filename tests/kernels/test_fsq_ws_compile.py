@@ -36,21 +36,7 @@ _TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32
           torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64"}
 
 
-def _signature(fn, args, consts):
-    """The compile signature of ``fn`` launched with ``args`` and constexprs ``consts``."""
-    params = list(inspect.signature(fn.fn).parameters)
-    signature = {}
-    for name, value in zip(params, args, strict=False):
-        if isinstance(value, torch.Tensor):
-            signature[name] = _TYPES[value.dtype]
-        else:
-            signature[name] = "fp32" if isinstance(value, float) else "i32"
-    signature.update({name: "constexpr" for name in consts})
-    assert list(signature) == params  # every parameter has an argument or a constexpr
-    return signature, {(params.index(k),): v for k, v in consts.items()}
-
-
-def _compile(case, pdl=False):
+def _compile(case):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -63,10 +49,19 @@ def _compile(case, pdl=False):
     acc = torch.empty(batch, q_heads, splits, 256, dtype=torch.float32)
     ml = torch.empty(batch, q_heads, splits, 2, dtype=torch.float32)
     args, consts, options = _fsq_ws.kernel_arguments(problem, problem.codes, acc, ml,
-                                                     split_len, pdl=pdl)
-    signature, constexprs = _signature(_fsq_ws._split_kernel_ws, args, consts)
-    source = GluonASTSource(fn=_fsq_ws._split_kernel_ws, signature=signature,
-                            constexprs=constexprs)
+                                                     split_len)
+    fn = _fsq_ws._split_kernel_ws
+    params = list(inspect.signature(fn.fn).parameters)
+    signature = {}
+    for name, value in zip(params, args, strict=False):
+        if isinstance(value, torch.Tensor):
+            signature[name] = _TYPES[value.dtype]
+        else:
+            signature[name] = "fp32" if isinstance(value, float) else "i32"
+    signature.update({name: "constexpr" for name in consts})
+    assert list(signature) == params  # every parameter has an argument or a constexpr
+    source = GluonASTSource(fn=fn, signature=signature,
+                            constexprs={(params.index(k),): v for k, v in consts.items()})
     # 4-bit codes take the bit-operation unpack; rows that are not whole 4-byte words are
     # read as aligned words and shifted (when the codes start at a word)
     words = problem.codes.shape[2] % 4 != 0
@@ -161,48 +156,3 @@ def test_key_bias_buffer_in_the_form_the_keys_read(monkeypatch):
         steps[bias_mma] = kernel.asm["ptx"].count("wgmma.mma_async")
     assert shared[True] > shared[False]
     assert steps[True] > steps[False]  # (ones @ the bias tile, once per head)
-
-
-class _Recorder:
-    """Stands for a Triton kernel: ``kernel[grid](*args, **kwargs)`` records the launch."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
-
-
-@pytest.mark.parametrize("pdl", [True, False], ids=["dependent", "plain"])
-def test_programmatic_dependent_launch(monkeypatch, pdl):
-    """With ``pdl`` every split program first lets the merge launch (``griddepcontrol.
-    launch_dependents``), and the merge, launched with ``launch_pdl``, waits for the split
-    grid (``griddepcontrol.wait``) after its exact tokens and before it reads the scratch;
-    without it neither instruction is there."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from kernels import _fsq
-
-    case = make_fsq_case(batch=2, archived=300, width=84, dtype=torch.bfloat16, **QWEN3)
-    problem, _, split = _compile(case, pdl=pdl)
-    assert ("griddepcontrol.launch_dependents" in split.asm["ptx"]) == pdl
-    recorder, kernel = _Recorder(), _fsq._merge_kernel
-    monkeypatch.setattr(_fsq, "_merge_kernel", recorder)
-    batch, q_heads, _ = problem.query.shape
-    acc = torch.empty(batch, q_heads, 3, 128, dtype=torch.float32)
-    ml = torch.empty(batch, q_heads, 3, 2, dtype=torch.float32)
-    _fsq._merge(problem, acc, ml, 128, pdl)
-    [(grid, args, kwargs)] = recorder.launches
-    assert grid == (batch * q_heads,)
-    assert kwargs.pop("launch_pdl", False) == pdl
-    options = {"num_warps": kwargs.pop("num_warps")}
-    signature, constexprs = _signature(kernel, args, kwargs)
-    merge = triton.compile(ASTSource(kernel, signature, constexprs),
-                           target=GPUTarget("cuda", 90, 32), options=options)
-    ptx = merge.asm["ptx"]
-    assert ("griddepcontrol.wait" in ptx) == pdl
-    if pdl:  # the exact tokens' products come before the wait, the scratch's loads after
-        wait = ptx.index("griddepcontrol.wait")
-        assert "mma.sync" in ptx[:wait] and "mma.sync" not in ptx[wait:]
