@@ -276,9 +276,10 @@ def ws_block_bytes(width: int, bits: int) -> int:
 # two column halves rather than one over all head_dim columns (H100, same process: the whole
 # product 2-3% faster at Qwen3 shapes from batch 8, 13-16% for GPT-2); and the keys
 # partition's next key product issued before the one in hand is waited for (with the halves
-# 3-5% faster; with the whole product two accumulators spill)
+# 3-5% faster; with the whole product two accumulators spill); and the RMSNorm weight folded
+# into RoPE's rotation tables (two products an element fewer, two register tiles more)
 WS_TUNING = {"bias_pad": True, "trim": True, "key_ahead": False, "bias_mma": False,
-             "halves": False}
+             "halves": False, "fold_norm": True}
 
 
 @functools.lru_cache(maxsize=256)

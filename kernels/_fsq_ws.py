@@ -93,12 +93,15 @@ def _column_halves(x, ROWS: gl.constexpr, HALF: gl.constexpr):
 @gluon.jit
 def _key_constants(kn_ptr, cos_a, sin_a, part: gl.constexpr, layout: gl.constexpr,
                    HALF: gl.constexpr, Q: gl.constexpr, ROPE: gl.constexpr,
-                   HAS_NORM: gl.constexpr):
+                   HAS_NORM: gl.constexpr, FOLD: gl.constexpr):
     """What the keys of every kv head need for the whole program, for one column part of the
     key product (``part``: the ``Q`` RoPE pairs ``(d, d + HALF)``, ``d`` in ``part * Q +
-    [0, Q)``): ``(w_a, w_b, cos, sin)``, the RMSNorm weight of dims ``d`` and ``d + HALF``
-    (row vectors; registers are scarce) and the angles of block offsets ``0 .. BLOCK_N -
-    1``, in ``layout``; unused ones are placeholders."""
+    [0, Q)``): ``(w_a, w_b, ca, sb, cb, sa)``, the RMSNorm weight of dims ``d`` and ``d +
+    HALF`` (row vectors; registers are scarce) and the rotation by the angles of block
+    offsets ``0 .. BLOCK_N - 1`` (``(BLOCK_N, Q)`` tiles: ``a' = a ca - b sb``, ``b' = b cb +
+    a sa``), in ``layout``; with ``FOLD`` the weight is folded into the rotation (``ca = w_a
+    cos``, ``sb = w_b sin``, ``cb = w_b cos``, ``sa = w_a sin``: two products an element
+    fewer, two tiles of registers more); unused ones are placeholders."""
     dd = part * Q + gl.arange(0, Q, gl.SliceLayout(0, layout))
     zero = gl.zeros([Q], gl.float32, gl.SliceLayout(0, layout))[None, :]
     w_a = zero
@@ -112,7 +115,9 @@ def _key_constants(kn_ptr, cos_a, sin_a, part: gl.constexpr, layout: gl.constexp
         rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, layout))[:, None] * HALF + dd[None, :]
         cos = gl.load(cos_a + rows)
         sin = gl.load(sin_a + rows)
-    return w_a, w_b, cos, sin
+    if FOLD:
+        return w_a, w_b, w_a * cos, w_b * sin, w_b * cos, w_a * sin
+    return w_a, w_b, cos, sin, cos, sin
 
 
 @gluon.jit
@@ -150,23 +155,26 @@ def _key_product(z, dec, zero, K_CHUNKS: gl.constexpr, ones, bias_dec,
 
 
 @gluon.jit
-def _key_part(k, w_a, w_b, cos, sin, bias_a, bias_b, Q: gl.constexpr, ROPE: gl.constexpr,
-              ADD_BIAS: gl.constexpr, HAS_NORM: gl.constexpr, DTYPE: gl.constexpr):
+def _key_part(k, w_a, w_b, ca, sb, cb, sa, bias_a, bias_b, Q: gl.constexpr,
+              ROPE: gl.constexpr, ADD_BIAS: gl.constexpr, HAS_NORM: gl.constexpr,
+              FOLD: gl.constexpr, DTYPE: gl.constexpr):
     """One column half of a block's keys from its raw product ``k`` ``(BLOCK_N, 2 Q)`` (pairs
-    interleaved): bias (unless it came with the product), the RMSNorm weight, RoPE by the
-    offsets' angles; ``(keys in DTYPE, the rows' partial sums of squares)``."""
+    interleaved): bias (unless it came with the product), the RMSNorm weight (``FOLD``: in
+    the rotation), RoPE by the offsets' angles (``_key_constants``); ``(keys in DTYPE, the
+    rows' partial sums of squares)``."""
     ka, kb = _halves(k, BLOCK_N, Q)
     if ADD_BIAS:
         ka = ka + bias_a
         kb = kb + bias_b
     if HAS_NORM:
         ss = gl.sum(ka * ka, axis=1) + gl.sum(kb * kb, axis=1)
-        ka = ka * w_a
-        kb = kb * w_b
+        if not FOLD:
+            ka = ka * w_a
+            kb = kb * w_b
     else:
         ss = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, ka.type.layout))
     if ROPE == 1:
-        ka, kb = ka * cos - kb * sin, kb * cos + ka * sin
+        ka, kb = ka * ca - kb * sb, kb * cb + ka * sa
     return _interleave(ka, kb, BLOCK_N, Q).to(DTYPE), ss
 
 
@@ -176,8 +184,8 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
           ROPE: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_PAD: gl.constexpr,
           BIAS_MMA: gl.constexpr,
           HAS_NORM: gl.constexpr, DTYPE: gl.constexpr, K_CHUNKS: gl.constexpr,
-          KEY_AHEAD: gl.constexpr, PARTS: gl.constexpr, Z_STAGES: gl.constexpr,
-          K_STAGES: gl.constexpr):
+          KEY_AHEAD: gl.constexpr, PARTS: gl.constexpr, FOLD: gl.constexpr,
+          Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr):
     """Partition 2: codes -> keys, a block's ``HEADS`` kv heads one after another, each by a
     key product in ``PARTS`` (1 or 2) column parts whose warp-group MMAs, with
     ``KEY_AHEAD``, are pipelined: the product of the next part (of this head, the next head
@@ -202,13 +210,13 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
                    gl.DotOperandLayout(operand_index=0, parent=kl, k_width=2))
     proto, _ = _halves(zero_k, BLOCK_N, Q)
     hl: gl.constexpr = proto.type.layout
-    w_a0, w_b0, cos0, sin0 = _key_constants(kn_ptr, cos_a, sin_a, 0, hl, HALF, Q, ROPE,
-                                            HAS_NORM)
+    w_a0, w_b0, ca0, sb0, cb0, sa0 = _key_constants(kn_ptr, cos_a, sin_a, 0, hl, HALF, Q,
+                                                    ROPE, HAS_NORM, FOLD)
     if PARTS == 2:
-        w_a1, w_b1, cos1, sin1 = _key_constants(kn_ptr, cos_a, sin_a, 1, hl, HALF, Q, ROPE,
-                                                HAS_NORM)
+        w_a1, w_b1, ca1, sb1, cb1, sa1 = _key_constants(kn_ptr, cos_a, sin_a, 1, hl, HALF, Q,
+                                                        ROPE, HAS_NORM, FOLD)
     else:
-        w_a1, w_b1, cos1, sin1 = w_a0, w_b0, cos0, sin0
+        w_a1, w_b1, ca1, sb1, cb1, sa1 = w_a0, w_b0, ca0, sb0, cb0, sa0
     bias_a0 = w_a0
     bias_b0 = w_a0
     bias_a1 = w_a0
@@ -241,8 +249,8 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
             if t % PARTS == 0:
                 if ADD_BIAS and HEADS > 1:
                     bias_a0, bias_b0 = _key_bias(kb_s, t // PARTS, 0, PARTS, hl)
-                key, ss = _key_part(k, w_a0, w_b0, cos0, sin0, bias_a0, bias_b0, Q, ROPE,
-                                    ADD_BIAS, HAS_NORM, DTYPE)
+                key, ss = _key_part(k, w_a0, w_b0, ca0, sb0, cb0, sa0, bias_a0, bias_b0, Q,
+                                    ROPE, ADD_BIAS, HAS_NORM, FOLD, DTYPE)
                 slot = i % K_STAGES
                 mbarrier.wait(k_free.index(slot), ((i // K_STAGES) & 1) ^ 1)
                 if PARTS == 1:  # (the scores partition reads the keys in column halves)
@@ -254,8 +262,8 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
             else:
                 if ADD_BIAS and HEADS > 1:
                     bias_a1, bias_b1 = _key_bias(kb_s, t // PARTS, 1, PARTS, hl)
-                key, ss1 = _key_part(k, w_a1, w_b1, cos1, sin1, bias_a1, bias_b1, Q, ROPE,
-                                     ADD_BIAS, HAS_NORM, DTYPE)
+                key, ss1 = _key_part(k, w_a1, w_b1, ca1, sb1, cb1, sa1, bias_a1, bias_b1, Q,
+                                     ROPE, ADD_BIAS, HAS_NORM, FOLD, DTYPE)
                 k_bufs.index(2 * slot + 1).store(key)
                 ss = ss + ss1
             if t % PARTS == PARTS - 1:
@@ -422,6 +430,7 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                      WORDS: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
                      PREFETCH: gl.constexpr, BIAS_CODE: gl.constexpr, K_CHUNKS: gl.constexpr,
                      KEY_AHEAD: gl.constexpr, BIAS_MMA: gl.constexpr, PARTS: gl.constexpr,
+                     FOLD: gl.constexpr,
                      UNPACK_REGS: gl.constexpr, KEY_REGS: gl.constexpr):
     kvh0 = (gl.program_id(1) % KV_GROUPS) * HEADS
     # the key decoders of the program's kv heads go to shared memory once (the key products'
@@ -512,7 +521,7 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                      Z_STAGES, PREFETCH, 1 if BIAS_PAD else 0)),
         (_keys, (alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s, kbd,
                  z_ready, k_ready, k_free, KV_GROUPS, SPLIT_LEN, HEADS, HALF, ROPE, HAS_BIAS,
-                 BIAS_PAD, BIAS_MMA, HAS_NORM, DTYPE, K_CHUNKS, KEY_AHEAD, PARTS, Z_STAGES,
+                 BIAS_PAD, BIAS_MMA, HAS_NORM, DTYPE, K_CHUNKS, KEY_AHEAD, PARTS, FOLD, Z_STAGES,
                  K_STAGES)),
     ], [4, 4], [UNPACK_REGS, KEY_REGS])
 
@@ -560,6 +569,7 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
                   KEY_AHEAD=WS_TUNING["key_ahead"],
                   BIAS_MMA=p.key_bias is not None and bias_code < 0 and WS_TUNING["bias_mma"],
                   PARTS=2 if WS_TUNING["halves"] else 1,
+                  FOLD=WS_TUNING["fold_norm"] and kind == 1 and p.k_norm is not None,
                   UNPACK_REGS=regs[1], KEY_REGS=regs[2])
     return args, consts, {"num_warps": 4, "maxnreg": regs[0]}
 
