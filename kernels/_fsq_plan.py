@@ -276,8 +276,10 @@ def ws_block_bytes(width: int, bits: int) -> int:
 # two column halves rather than one over all head_dim columns (H100, same process: the whole
 # product 2-3% faster at Qwen3 shapes from batch 8, 13-16% for GPT-2); and the keys
 # partition's next key product issued before the one in hand is waited for (with the halves
-# 3-5% faster; with the whole product two accumulators spill); and the RMSNorm weight folded
-# into RoPE's rotation tables (two products an element fewer, two register tiles more)
+# 3-5% faster; with the whole product two accumulators spill; on top of the fold below, 1-2%
+# faster at 97.5x, 3-18% slower at 32x and GPT-2); and the RMSNorm weight folded into RoPE's
+# rotation tables (two products an element fewer, two register tiles more; H100, same
+# process: 5-6% faster at 97.5x from batch 8, 2-4% at 32x)
 WS_TUNING = {"bias_pad": True, "trim": True, "key_ahead": False, "bias_mma": False,
              "halves": False, "fold_norm": True}
 

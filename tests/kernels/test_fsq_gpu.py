@@ -147,8 +147,9 @@ def _split_kernel(case, ws, **kwargs):
     ({"q_heads": 32, "kv_heads": 2, "head_dim": 64}, 40, 256, torch.bfloat16, True),  # 16/kv
     ({"q_heads": 6, "kv_heads": 3, "head_dim": 32}, 100, 16, torch.float16, True),
 ])
-@pytest.mark.parametrize("knobs", [{}, {"key_ahead": True}, {"halves": True, "key_ahead": True}],
-                         ids=["shipped", "next-head-ahead", "pipelined-halves"])
+@pytest.mark.parametrize("knobs", [{}, {"key_ahead": True}, {"halves": True, "key_ahead": True},
+                                   {"fold_norm": False}],
+                         ids=["shipped", "next-head-ahead", "pipelined-halves", "norm-unfolded"])
 def test_gpu_warp_specialized_kernel_matches_the_split_kernel(ws_tuning, knobs, shape, width,
                                                               levels, dtype, rope):
     ws_tuning(**knobs)

@@ -141,6 +141,23 @@ def test_key_product_in_halves_or_whole(monkeypatch, width, halves):
     assert "m64n16k16" in ptx
 
 
+@pytest.mark.parametrize("rope,k_norm", [(1e6, True), (1e6, False), (None, True)],
+                         ids=["rope-norm", "rope", "norm"])
+def test_norm_weight_folded_into_the_rotation_only_with_both(monkeypatch, rope, k_norm):
+    """``fold_norm``: the RMSNorm weight rides in RoPE's rotation tables only where there
+    are both (with one of them there is nothing to fold into, and the kernel is the same
+    either way). Both forms' results are checked on a GPU (``test_fsq_gpu.py``)."""
+    case = make_fsq_case(batch=2, archived=300, width=84, dtype=torch.bfloat16, rope=rope,
+                         k_norm=k_norm, **QWEN3)
+    ptx = {}
+    for fold in (True, False):
+        monkeypatch.setitem(WS_TUNING, "fold_norm", fold)
+        _, consts, kernel = _compile(case)
+        assert consts["FOLD"] == (fold and rope is not None and k_norm)
+        ptx[fold] = kernel.asm["ptx"]
+    assert (ptx[True] != ptx[False]) == (rope is not None and k_norm)
+
+
 def test_key_bias_buffer_in_the_form_the_keys_read(monkeypatch):
     """At 32x (no padding codes to carry the bias) the kernel holds the biases either as the
     extra MMA step's tile or as float rows, never both: its shared memory is the count of
