@@ -15,7 +15,8 @@ time on different warps:
 - *keys* (``_keys``): one warp-group MMA per block and kv head against its decoder (or two,
   one per column half: ``WS_TUNING["halves"]``; in shared memory for the whole program, head
   dims interleaved so RoPE's pairs sit in one thread), bias, the RMSNorm weight and RoPE
-  by the angle of each position's offset in its block (held in registers), the keys
+  by the angle of each position's offset in its block (one rotation with the weight folded
+  in, held in registers), the keys
   rounded to the query's dtype into a ring of ``K_STAGES`` buffers and the rows' RMSNorm
   scales beside them;
 - *scores* (``_scores``, the kernel's own warps): the query turned back by the block's base
@@ -194,8 +195,8 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
     HALF`` side by side, so RoPE's pairs sit in one thread; each part holds ``HALF / PARTS``
     pairs), with ``BIAS_PAD`` the bias too (it rides in the decoder's rows of two padding
     code columns that hold ones); then the RMSNorm weight and RoPE by the block offset's
-    angle (the same for every block, so held in registers: the block's base angle turns the
-    query instead). The RMSNorm scale, one per row, goes to the scores partition, which
+    angle, the weight folded into the rotation where there are both (the same for every
+    block, so held in registers: the block's base angle turns the query instead). The RMSNorm scale, one per row, goes to the scores partition, which
     applies it to the scores. Keys rounded to the query's dtype into shared memory, two
     column halves per (block, head)."""
     Q: gl.constexpr = HALF // PARTS  # RoPE pairs per part
