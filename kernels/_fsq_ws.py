@@ -196,8 +196,9 @@ def _keys(alen_ptr, kn_ptr, cos_a, sin_a, eps, z_bufs, k_bufs, r_bufs, dec, kb_s
     pairs), with ``BIAS_PAD`` the bias too (it rides in the decoder's rows of two padding
     code columns that hold ones); then the RMSNorm weight and RoPE by the block offset's
     angle, the weight folded into the rotation where there are both (the same for every
-    block, so held in registers: the block's base angle turns the query instead). The RMSNorm scale, one per row, goes to the scores partition, which
-    applies it to the scores. Keys rounded to the query's dtype into shared memory, two
+    block, so held in registers: the block's base angle turns the query instead). The
+    RMSNorm scale, one per row, goes to the scores partition, which applies it to the
+    scores. Keys rounded to the query's dtype into shared memory, two
     column halves per (block, head)."""
     Q: gl.constexpr = HALF // PARTS  # RoPE pairs per part
     # (MMA groups one _key_product issues)
