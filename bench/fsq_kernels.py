@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -284,10 +285,18 @@ def ws_fits(problem, heads, code_stages, key_stages):
             and need + WS_SHARED_SLACK <= WS_SHARED_LIMIT)
 
 
+def parse_choice(label):
+    """``"h2z3k4"`` -> ``(2, 3, 4)``: kv heads per program, code buffers, key buffers."""
+    m = re.fullmatch(r"h(\d+)z(\d+)k(\d+)", label)
+    if not m:
+        raise ValueError(f"{label!r} is not a choice like h2z3k4 (heads, code and key buffers)")
+    return tuple(int(g) for g in m.groups())
+
+
 def heads_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
-                check_context=4096):
+                check_context=4096, choices=WS_CHOICES):
     """The warp-specialized kernel's kv heads per program and buffers: every ``(heads, code
-    buffers, key buffers)`` of ``WS_CHOICES`` that fits (at most 16 query heads per program,
+    buffers, key buffers)`` of ``choices`` that fits (at most 16 query heads per program,
     shared memory) at each config it takes, CUDA-graph time, each with the split count the
     plan picks for ``batch x kv_heads / heads`` programs. Every choice is first checked
     against the float32 reference on a ``check_context`` case. ``plan`` in a row is what
@@ -305,7 +314,7 @@ def heads_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
             _fsq_ws.launch_split = launch
 
     return checked_then_timed(
-        run, lambda small: [c for c in WS_CHOICES if ws_fits(small, *c)], _label, points,
+        run, lambda small: [c for c in choices if ws_fits(small, *c)], _label, points,
         check_context, lambda problem: {"plan": _label(ws_program_heads(problem))})
 
 
@@ -532,6 +541,9 @@ def main(argv=None):
     ap.add_argument("--no-grid", action="store_true", help="with --sweep: only the sweep")
     ap.add_argument("--heads", action="store_true", help="only the warp-specialized kernel's "
                     "kv heads per program and buffers (Hopper)")
+    ap.add_argument("--choices", nargs="+", metavar="hHzZkK",
+                    help="with --heads: the choices to time instead of the built-in list, "
+                    "e.g. h2z3k2 h2z3k4 (kv heads per program, code buffers, key buffers)")
     ap.add_argument("--variants", action="store_true", help="only the warp-specialized "
                     "kernel's knobs (_fsq_plan.WS_TUNING) on and off (Hopper)")
     ap.add_argument("--knobs", type=json.loads, nargs="+", metavar="JSON",
@@ -552,6 +564,14 @@ def main(argv=None):
         return
     if args.no_grid and not args.sweep:
         ap.error("--no-grid leaves nothing to run without --sweep")
+    choices = None
+    if args.choices is not None:
+        if not args.heads:
+            ap.error("--choices goes with --heads")
+        try:
+            choices = tuple(parse_choice(c) for c in args.choices)
+        except ValueError as exc:
+            ap.error(f"--choices: {exc}")
     if args.knobs is not None:
         if not args.variants:
             ap.error("--knobs goes with --variants")
@@ -568,7 +588,8 @@ def main(argv=None):
         raise SystemExit("bench/fsq_kernels.py needs a CUDA GPU (--plot reads a saved result)")
     variants = (functools.partial(variants_sweep, knob_sets=tuple(args.knobs))
                 if args.knobs else variants_sweep)
-    for flag, measure in (("heads", heads_sweep), ("variants", variants),
+    heads = functools.partial(heads_sweep, choices=choices) if choices else heads_sweep
+    for flag, measure in (("heads", heads), ("variants", variants),
                           ("merge", merge_sweep), ("eager", eager_calls)):
         if getattr(args, flag):  # one measurement alone, to its own file by default
             out = args.out
