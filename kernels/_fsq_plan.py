@@ -279,9 +279,11 @@ def ws_block_bytes(width: int, bits: int) -> int:
 # 3-5% faster; with the whole product two accumulators spill; on top of the fold below, 1-2%
 # faster at 97.5x, 3-18% slower at 32x and GPT-2); and the RMSNorm weight folded into RoPE's
 # rotation tables (two products an element fewer, two register tiles more; H100, same
-# process: 5-6% faster at 97.5x from batch 8, 2-4% at 32x)
+# process: 5-6% faster at 97.5x from batch 8, 2-4% at 32x); and the scores partition's
+# weighted-code product run beside the next block's turned query and first head's scores
+# (pv_ahead)
 WS_TUNING = {"bias_pad": True, "trim": True, "key_ahead": False, "bias_mma": False,
-             "halves": False, "fold_norm": True}
+             "halves": False, "fold_norm": True, "pv_ahead": False}
 
 
 @functools.lru_cache(maxsize=256)

@@ -323,19 +323,45 @@ def _turned_query(qa, qb, q_buf, c, s, HALF: gl.constexpr, BLOCK_M: gl.constexpr
 
 
 @gluon.jit
+def _head_scores(k_bufs, q_buf, k_ready, zero_s, t, K_STAGES: gl.constexpr, pred=True):
+    """Issue the score product of (block, head) pair ``t`` once its keys are ready: the
+    keys' two column halves, each against its half of the turned query; ``pred`` false
+    skips the wait (then the product reads a stale key buffer, for a caller that drops it)."""
+    slot = t % K_STAGES
+    mbarrier.wait(k_ready.index(slot), (t // K_STAGES) & 1, pred=pred)
+    sh = warpgroup_mma(k_bufs.index(2 * slot), q_buf.index(0).permute((1, 0)), zero_s,
+                       use_acc=False, is_async=True)
+    return warpgroup_mma(k_bufs.index(2 * slot + 1), q_buf.index(1).permute((1, 0)), sh,
+                         is_async=True)
+
+
+@gluon.jit
+def _normed(sh, r_bufs, k_free, t, HAS_NORM: gl.constexpr, K_STAGES: gl.constexpr,
+            layout: gl.constexpr, pred=True):
+    """Pair ``t``'s finished scores times its keys' RMSNorm scales; its key buffer freed."""
+    slot = t % K_STAGES
+    if HAS_NORM:
+        sh = sh * r_bufs.index(slot).load(gl.SliceLayout(1, layout))[:, None]
+    mbarrier.arrive(k_free.index(slot), count=1, pred=pred)
+    return sh
+
+
+@gluon.jit
 def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_ptr, qk_scale,
             q_sb, q_sh, a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp, z_bufs, k_bufs, r_bufs, q_buf,
             p_buf, k_ready, k_free, z_free, KV_GROUPS, GROUP, WIDTH, SPLIT_LEN,
             HEADS: gl.constexpr, HALF: gl.constexpr, ROPE: gl.constexpr, HAS_NORM: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr, BLOCK_W: gl.constexpr,
             DTYPE: gl.constexpr, FAST: gl.constexpr, Z_STAGES: gl.constexpr,
-            K_STAGES: gl.constexpr):
+            K_STAGES: gl.constexpr, PV_AHEAD: gl.constexpr):
     """Partition 3 (the kernel's warps): keys -> scores of the query heads (positions as
     the MMA rows) against the query turned by the block's base angle, times the keys'
     RMSNorm scales, the online softmax over positions, ``acc += codesᵀ @ weights``. With
     ``HEADS`` kv heads a block's score columns are the query heads of all of them, each
     column from its own kv head's keys: one softmax and one weighted-code product per
-    block for all of them."""
+    block for all of them. With ``PV_AHEAD`` the next block's query is turned and its first
+    head scored while a block's weighted-code product runs (both waited for at once, so
+    nothing is in flight across the loop: ptxas would serialize every MMA)."""
     sl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, BLOCK_M, 16])
     b, kvh0, split, start, end = split_range(alen_ptr, KV_GROUPS, SPLIT_LEN, HEADS)
@@ -364,9 +390,23 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, sl)
     g = gl.arange(0, BLOCK_M, gl.SliceLayout(0, sl))
     column_head = (g // GROUP)[None, :]  # the kv head of each score column
+    ahead = zero_s  # (PV_AHEAD: the first head's scores of the block in hand)
+    if PV_AHEAD:
+        if ROPE == 1:
+            _turned_query(qa0, qb0, q_buf.index(0), turn_c0, turn_s0, HALF, BLOCK_M, DTYPE,
+                          ROPE)
+            _turned_query(qa1, qb1, q_buf.index(1), turn_c1, turn_s1, HALF, BLOCK_M, DTYPE,
+                          ROPE)
+            fence_async_shared()
+            nxt = sink + gl.minimum(start + BLOCK_N, gl.maximum(end - 1, 0))
+            turn_c0, turn_s0 = _base_angle(nxt, cos_a, sin_a, cos_b, sin_b, 0, HALF, ql)
+            turn_c1, turn_s1 = _base_angle(nxt, cos_a, sin_a, cos_b, sin_b, 1, HALF, ql)
+        ahead = _head_scores(k_bufs, q_buf, k_ready, zero_s, 0, K_STAGES, start < end)
+        ahead = warpgroup_mma_wait(num_outstanding=0, deps=(ahead,))
+        ahead = _normed(ahead, r_bufs, k_free, 0, HAS_NORM, K_STAGES, sl, start < end)
     i = 0
     for n0 in range(start, end, BLOCK_N):
-        if ROPE == 1:  # (the previous block's score product has finished reading q_buf)
+        if ROPE == 1 and not PV_AHEAD:  # (the previous block's score product is done)
             _turned_query(qa0, qb0, q_buf.index(0), turn_c0, turn_s0, HALF, BLOCK_M, DTYPE,
                           ROPE)
             _turned_query(qa1, qb1, q_buf.index(1), turn_c1, turn_s1, HALF, BLOCK_M, DTYPE,
@@ -378,17 +418,12 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
             turn_c1, turn_s1 = _base_angle(nxt, cos_a, sin_a, cos_b, sin_b, 1, HALF, ql)
         for h in gl.static_range(HEADS):
             t = i * HEADS + h  # (the key buffers' ring counts (block, head) pairs)
-            slot = t % K_STAGES
-            mbarrier.wait(k_ready.index(slot), (t // K_STAGES) & 1)
-            # (the keys' two column halves, each against its half of the query)
-            sh = warpgroup_mma(k_bufs.index(2 * slot), q_buf.index(0).permute((1, 0)), zero_s,
-                               use_acc=False, is_async=True)
-            sh = warpgroup_mma(k_bufs.index(2 * slot + 1), q_buf.index(1).permute((1, 0)), sh,
-                               is_async=True)
-            sh = warpgroup_mma_wait(num_outstanding=0, deps=(sh,))
-            if HAS_NORM:
-                sh = sh * r_bufs.index(slot).load(gl.SliceLayout(1, sl))[:, None]
-            mbarrier.arrive(k_free.index(slot), count=1)
+            if PV_AHEAD and h == 0:
+                sh = ahead
+            else:
+                sh = _head_scores(k_bufs, q_buf, k_ready, zero_s, t, K_STAGES)
+                sh = warpgroup_mma_wait(num_outstanding=0, deps=(sh,))
+                sh = _normed(sh, r_bufs, k_free, t, HAS_NORM, K_STAGES, sl)
             if h == 0:
                 s = sh
             else:
@@ -404,8 +439,25 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
         zslot = i % Z_STAGES
         acc = warpgroup_mma(z_bufs.index(zslot).permute((1, 0)), p_buf, acc * alpha[None, :],
                             is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(z_free.index(zslot), count=1)
+        if PV_AHEAD:  # the next block's first head while the product runs
+            more = n0 + BLOCK_N < end
+            if ROPE == 1:
+                _turned_query(qa0, qb0, q_buf.index(0), turn_c0, turn_s0, HALF, BLOCK_M,
+                              DTYPE, ROPE)
+                _turned_query(qa1, qb1, q_buf.index(1), turn_c1, turn_s1, HALF, BLOCK_M,
+                              DTYPE, ROPE)
+                fence_async_shared()
+                nxt = sink + gl.minimum(n0 + 2 * BLOCK_N, end - 1)
+                turn_c0, turn_s0 = _base_angle(nxt, cos_a, sin_a, cos_b, sin_b, 0, HALF, ql)
+                turn_c1, turn_s1 = _base_angle(nxt, cos_a, sin_a, cos_b, sin_b, 1, HALF, ql)
+            t = (i + 1) * HEADS
+            ahead = _head_scores(k_bufs, q_buf, k_ready, zero_s, t, K_STAGES, more)
+            ahead, acc = warpgroup_mma_wait(num_outstanding=0, deps=(ahead, acc))
+            mbarrier.arrive(z_free.index(zslot), count=1)
+            ahead = _normed(ahead, r_bufs, k_free, t, HAS_NORM, K_STAGES, sl, more)
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(z_free.index(zslot), count=1)
         i += 1
     l = gl.sum(lt, axis=0)
     c = code_of(gl.arange(0, BLOCK_W, gl.SliceLayout(1, sl)), BLOCK_B, FAST)
@@ -432,7 +484,7 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                      WORDS: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
                      PREFETCH: gl.constexpr, BIAS_CODE: gl.constexpr, K_CHUNKS: gl.constexpr,
                      KEY_AHEAD: gl.constexpr, BIAS_MMA: gl.constexpr, PARTS: gl.constexpr,
-                     FOLD: gl.constexpr,
+                     FOLD: gl.constexpr, PV_AHEAD: gl.constexpr,
                      UNPACK_REGS: gl.constexpr, KEY_REGS: gl.constexpr):
     kvh0 = (gl.program_id(1) % KV_GROUPS) * HEADS
     # the key decoders of the program's kv heads go to shared memory once (the key products'
@@ -517,7 +569,7 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
                    qk_scale, q_sb, q_sh, a_sb, a_sh, a_sp, ml_sb, ml_sh, ml_sp, z_bufs,
                    k_bufs, r_bufs, q_buf, p_buf, k_ready, k_free, z_free, KV_GROUPS, GROUP,
                    WIDTH, SPLIT_LEN, HEADS, HALF, ROPE, HAS_NORM, BLOCK_M, BLOCK_B, BLOCK_W,
-                   DTYPE, FAST, Z_STAGES, K_STAGES)),
+                   DTYPE, FAST, Z_STAGES, K_STAGES, PV_AHEAD)),
         (unpacker, (codes_ptr, alen_ptr, z_bufs, z_ready, z_free, KV_GROUPS, SPLIT_LEN, c_sb,
                      c_sn, HEADS, NBYTES, BITS, BLOCK_B, BYTES, WORD_BYTES, DTYPE, FAST, WORDS,
                      Z_STAGES, PREFETCH, 1 if BIAS_PAD else 0)),
@@ -572,6 +624,7 @@ def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: 
                   BIAS_MMA=p.key_bias is not None and bias_code < 0 and WS_TUNING["bias_mma"],
                   PARTS=2 if WS_TUNING["halves"] else 1,
                   FOLD=WS_TUNING["fold_norm"] and kind == 1 and p.k_norm is not None,
+                  PV_AHEAD=WS_TUNING["pv_ahead"],
                   UNPACK_REGS=regs[1], KEY_REGS=regs[2])
     return args, consts, {"num_warps": 4, "maxnreg": regs[0]}
 

@@ -148,8 +148,9 @@ def _split_kernel(case, ws, **kwargs):
     ({"q_heads": 6, "kv_heads": 3, "head_dim": 32}, 100, 16, torch.float16, True),
 ])
 @pytest.mark.parametrize("knobs", [{}, {"key_ahead": True}, {"halves": True, "key_ahead": True},
-                                   {"fold_norm": False}],
-                         ids=["shipped", "next-head-ahead", "pipelined-halves", "norm-unfolded"])
+                                   {"fold_norm": False}, {"pv_ahead": True}],
+                         ids=["shipped", "next-head-ahead", "pipelined-halves", "norm-unfolded",
+                              "product-ahead"])
 def test_gpu_warp_specialized_kernel_matches_the_split_kernel(ws_tuning, knobs, shape, width,
                                                               levels, dtype, rope):
     ws_tuning(**knobs)
