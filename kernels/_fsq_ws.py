@@ -323,6 +323,27 @@ def _turned_query(qa, qb, q_buf, c, s, HALF: gl.constexpr, BLOCK_M: gl.constexpr
 
 
 @gluon.jit
+def _base_angles(base, cos_a, sin_a, cos_b, sin_b, HALF: gl.constexpr, layout: gl.constexpr):
+    """Position ``base``'s ``(cos, sin)`` for both column halves (:func:`_base_angle`)."""
+    c0, s0 = _base_angle(base, cos_a, sin_a, cos_b, sin_b, 0, HALF, layout)
+    c1, s1 = _base_angle(base, cos_a, sin_a, cos_b, sin_b, 1, HALF, layout)
+    return c0, s0, c1, s1
+
+
+@gluon.jit
+def _turn_query(qa0, qb0, qa1, qb1, q_buf, turn, cos_a, sin_a, cos_b, sin_b, sink, nxt, last,
+                HALF: gl.constexpr, BLOCK_M: gl.constexpr, DTYPE: gl.constexpr,
+                layout: gl.constexpr):
+    """Both column halves of ``q_buf`` = the query turned by ``turn`` (a block's angles,
+    :func:`_base_angles`), fenced for the score products; returns the angles of position
+    ``sink + min(nxt, last)``, which load while this block is scored."""
+    _turned_query(qa0, qb0, q_buf.index(0), turn[0], turn[1], HALF, BLOCK_M, DTYPE, 1)
+    _turned_query(qa1, qb1, q_buf.index(1), turn[2], turn[3], HALF, BLOCK_M, DTYPE, 1)
+    fence_async_shared()
+    return _base_angles(sink + gl.minimum(nxt, last), cos_a, sin_a, cos_b, sin_b, HALF, layout)
+
+
+@gluon.jit
 def _head_scores(k_bufs, q_buf, k_ready, zero_s, t, K_STAGES: gl.constexpr, pred=True):
     """Issue the score product of (block, head) pair ``t`` once its keys are ready: the
     keys' two column halves, each against its half of the turned query; ``pred`` false
@@ -371,16 +392,13 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
     ql: gl.constexpr = qa0.type.layout
     if ROPE == 1:  # the first block's base angle (each block loads the next one's)
         # (clamped into the sequence: a split past its end has no angle in the tables)
-        first = sink + gl.minimum(start, gl.maximum(end - 1, 0))
-        turn_c0, turn_s0 = _base_angle(first, cos_a, sin_a, cos_b, sin_b, 0, HALF, ql)
-        turn_c1, turn_s1 = _base_angle(first, cos_a, sin_a, cos_b, sin_b, 1, HALF, ql)
+        turn = _base_angles(sink + gl.minimum(start, gl.maximum(end - 1, 0)), cos_a, sin_a,
+                            cos_b, sin_b, HALF, ql)
     else:
-        turn_c0 = gl.zeros([HALF // 2], gl.float32, gl.SliceLayout(0, ql))
-        turn_s0 = turn_c0
-        turn_c1 = turn_c0
-        turn_s1 = turn_c0
-        _turned_query(qa0, qb0, q_buf.index(0), turn_c0, turn_s0, HALF, BLOCK_M, DTYPE, ROPE)
-        _turned_query(qa1, qb1, q_buf.index(1), turn_c1, turn_s1, HALF, BLOCK_M, DTYPE, ROPE)
+        zero = gl.zeros([HALF // 2], gl.float32, gl.SliceLayout(0, ql))
+        turn = (zero, zero, zero, zero)
+        _turned_query(qa0, qb0, q_buf.index(0), zero, zero, HALF, BLOCK_M, DTYPE, ROPE)
+        _turned_query(qa1, qb1, q_buf.index(1), zero, zero, HALF, BLOCK_M, DTYPE, ROPE)
         fence_async_shared()
     sn = gl.arange(0, BLOCK_N, gl.SliceLayout(1, sl))
     m = gl.full([BLOCK_M], NEG_BIG, gl.float32, gl.SliceLayout(0, sl))
@@ -393,29 +411,17 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
     ahead = zero_s  # (PV_AHEAD: the first head's scores of the block in hand)
     if PV_AHEAD:
         if ROPE == 1:
-            _turned_query(qa0, qb0, q_buf.index(0), turn_c0, turn_s0, HALF, BLOCK_M, DTYPE,
-                          ROPE)
-            _turned_query(qa1, qb1, q_buf.index(1), turn_c1, turn_s1, HALF, BLOCK_M, DTYPE,
-                          ROPE)
-            fence_async_shared()
-            nxt = sink + gl.minimum(start + BLOCK_N, gl.maximum(end - 1, 0))
-            turn_c0, turn_s0 = _base_angle(nxt, cos_a, sin_a, cos_b, sin_b, 0, HALF, ql)
-            turn_c1, turn_s1 = _base_angle(nxt, cos_a, sin_a, cos_b, sin_b, 1, HALF, ql)
+            turn = _turn_query(qa0, qb0, qa1, qb1, q_buf, turn, cos_a, sin_a, cos_b, sin_b,
+                               sink, start + BLOCK_N, gl.maximum(end - 1, 0), HALF, BLOCK_M,
+                               DTYPE, ql)
         ahead = _head_scores(k_bufs, q_buf, k_ready, zero_s, 0, K_STAGES, start < end)
         ahead = warpgroup_mma_wait(num_outstanding=0, deps=(ahead,))
         ahead = _normed(ahead, r_bufs, k_free, 0, HAS_NORM, K_STAGES, sl, start < end)
     i = 0
     for n0 in range(start, end, BLOCK_N):
         if ROPE == 1 and not PV_AHEAD:  # (the previous block's score product is done)
-            _turned_query(qa0, qb0, q_buf.index(0), turn_c0, turn_s0, HALF, BLOCK_M, DTYPE,
-                          ROPE)
-            _turned_query(qa1, qb1, q_buf.index(1), turn_c1, turn_s1, HALF, BLOCK_M, DTYPE,
-                          ROPE)
-            fence_async_shared()
-            # the next block's angle loads while this block is scored
-            nxt = sink + gl.minimum(n0 + BLOCK_N, end - 1)
-            turn_c0, turn_s0 = _base_angle(nxt, cos_a, sin_a, cos_b, sin_b, 0, HALF, ql)
-            turn_c1, turn_s1 = _base_angle(nxt, cos_a, sin_a, cos_b, sin_b, 1, HALF, ql)
+            turn = _turn_query(qa0, qb0, qa1, qb1, q_buf, turn, cos_a, sin_a, cos_b, sin_b,
+                               sink, n0 + BLOCK_N, end - 1, HALF, BLOCK_M, DTYPE, ql)
         for h in gl.static_range(HEADS):
             t = i * HEADS + h  # (the key buffers' ring counts (block, head) pairs)
             if PV_AHEAD and h == 0:
@@ -442,14 +448,9 @@ def _scores(q_ptr, alen_ptr, slen_ptr, cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_p
         if PV_AHEAD:  # the next block's first head while the product runs
             more = n0 + BLOCK_N < end
             if ROPE == 1:
-                _turned_query(qa0, qb0, q_buf.index(0), turn_c0, turn_s0, HALF, BLOCK_M,
-                              DTYPE, ROPE)
-                _turned_query(qa1, qb1, q_buf.index(1), turn_c1, turn_s1, HALF, BLOCK_M,
-                              DTYPE, ROPE)
-                fence_async_shared()
-                nxt = sink + gl.minimum(n0 + 2 * BLOCK_N, end - 1)
-                turn_c0, turn_s0 = _base_angle(nxt, cos_a, sin_a, cos_b, sin_b, 0, HALF, ql)
-                turn_c1, turn_s1 = _base_angle(nxt, cos_a, sin_a, cos_b, sin_b, 1, HALF, ql)
+                turn = _turn_query(qa0, qb0, qa1, qb1, q_buf, turn, cos_a, sin_a, cos_b,
+                                   sin_b, sink, n0 + 2 * BLOCK_N, end - 1, HALF, BLOCK_M,
+                                   DTYPE, ql)
             t = (i + 1) * HEADS
             ahead = _head_scores(k_bufs, q_buf, k_ready, zero_s, t, K_STAGES, more)
             ahead, acc = warpgroup_mma_wait(num_outstanding=0, deps=(ahead, acc))

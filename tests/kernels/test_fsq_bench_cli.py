@@ -1,0 +1,38 @@
+"""``bench/fsq_kernels.py``'s command line refuses a bad comparison before any GPU work."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "fsq_kernels.py"
+
+
+@pytest.fixture(scope="module")
+def fsq_bench():
+    spec = importlib.util.spec_from_file_location("bench_fsq_kernels", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_choice_reads_as_heads_code_and_key_buffers(fsq_bench):
+    assert fsq_bench.parse_choice("h2z3k4") == (2, 3, 4)
+    assert fsq_bench._label(fsq_bench.parse_choice("h1z2k6")) == "h1z2k6"
+    with pytest.raises(ValueError, match="'h2z3'"):
+        fsq_bench.parse_choice("h2z3")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--choices", "h2z3k4"], "--choices goes with --heads"),
+    (["--heads", "--choices", "h2k4"], "'h2k4' is not a choice"),
+    (["--knobs", "{}"], "--knobs goes with --variants"),
+    (["--variants", "--knobs", '{"no_such_knob": true}'], "no_such_knob"),
+])
+def test_bad_arguments_are_refused_by_name(fsq_bench, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        fsq_bench.main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
