@@ -9,6 +9,8 @@ warp-group MMA, and the partitions set their registers. Its results are checked 
 from __future__ import annotations
 
 import inspect
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,28 +177,22 @@ def test_key_bias_buffer_in_the_form_the_keys_read(monkeypatch):
     assert steps[True] > steps[False]  # (ones @ the bias tile, once per head)
 
 
-def _sass(kernel) -> str:
-    import os
-    import subprocess
-    import tempfile
-
+def _sass(kernel, folder: Path) -> str:
+    """The cubin's SASS, by the cuobjdump that Triton carries."""
     import triton
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "cuobjdump")
-    if not os.path.exists(tool):
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
         pytest.skip("this Triton carries no cuobjdump")
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        return subprocess.run([tool, "-sass", path], capture_output=True, text=True,
-                              check=True).stdout
+    cubin = folder / "kernel.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    return subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
 
 
 @pytest.mark.parametrize("pv_ahead", [False, True], ids=["product-waited", "product-ahead"])
 @pytest.mark.parametrize("width", [256, 84], ids=["qwen3-32x", "qwen3-97.5x"])
-def test_no_product_is_serialized(monkeypatch, width, pv_ahead):
+def test_no_product_is_serialized(monkeypatch, tmp_path, width, pv_ahead):
     """ptxas serializes every warp-group MMA of the kernel (a wait after each) when it finds
     an accumulator in flight that other instructions may touch, e.g. one carried across a
     loop: the ``pv_ahead`` form keeps the next block's first scores beside the weighted-code
@@ -206,6 +202,6 @@ def test_no_product_is_serialized(monkeypatch, width, pv_ahead):
     case = make_fsq_case(batch=2, archived=300, width=width, dtype=torch.bfloat16, **QWEN3)
     _, consts, kernel = _compile(case)
     assert consts["PV_AHEAD"] == pv_ahead
-    sass = _sass(kernel)
+    sass = _sass(kernel, tmp_path)
     issued, waits = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR")
     assert issued >= 16 and waits < issued / 2, (issued, waits)
