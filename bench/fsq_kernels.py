@@ -575,13 +575,18 @@ def main(argv=None):
     if args.knobs is not None:
         if not args.variants:
             ap.error("--knobs goes with --variants")
-        from kernels._fsq_plan import WS_TUNING
+        from kernels._fsq_plan import WS_TUNING, check_ws_regs
 
         for knobs in args.knobs:
             unknown = sorted(set(knobs) - set(WS_TUNING)) if isinstance(knobs, dict) else knobs
-            if unknown:
+            if unknown or not isinstance(knobs, dict):
                 ap.error(f"--knobs: {unknown!r} is not a set of WS_TUNING knobs "
                          f"({', '.join(WS_TUNING)})")
+            if knobs.get("regs") is not None:
+                try:
+                    check_ws_regs(knobs["regs"])
+                except ValueError as exc:
+                    ap.error(f"--knobs: {exc}")
     import torch
 
     if not torch.cuda.is_available():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 import os
 from dataclasses import dataclass
 
@@ -281,9 +282,31 @@ def ws_block_bytes(width: int, bits: int) -> int:
 # rotation tables (two products an element fewer, two register tiles more; H100, same
 # process: 5-6% faster at 97.5x from batch 8, 2-4% at 32x); and the scores partition's
 # weighted-code product run beside the next block's turned query and first head's scores
-# (pv_ahead; compiles without serializing any MMA, not yet timed or run on a GPU)
+# (pv_ahead; compiles without serializing any MMA, not yet timed or run on a GPU); and
+# "regs", the three partitions' registers per thread (None: WS_REGS)
 WS_TUNING = {"bias_pad": True, "trim": True, "key_ahead": False, "bias_mma": False,
-             "halves": False, "fold_norm": True, "pv_ahead": False}
+             "halves": False, "fold_norm": True, "pv_ahead": False, "regs": None}
+
+# registers per thread of the scores, unpack and keys partitions (setmaxnreg). The keys
+# partition's RoPE and RMSNorm tables take the most; ptxas (CPU compile, Triton 3.9) spills
+# none at 97.5x, 136 bytes at 32x and 224 for GPT-2 with this split, none for GPT-2 with
+# (168, 152, 192) and 88 bytes at 32x with (176, 96, 240): untimed, so not taken
+WS_REGS = (168, 104, 232)
+
+
+def check_ws_regs(regs) -> tuple[int, int, int]:
+    """``regs`` as three register counts (scores, unpack, keys partitions), or ValueError
+    naming it: each a multiple of 8 in [24, 256] (``setmaxnreg``'s range), at most 512 in
+    all, so the three warp groups fit one multiprocessor's register file."""
+    try:
+        counts = tuple(operator.index(r) for r in regs)
+    except TypeError:
+        counts = ()
+    if (len(counts) != 3 or any(r % 8 or not 24 <= r <= 256 for r in counts)
+            or sum(counts) > 512):
+        raise ValueError("regs must be three multiples of 8 in [24, 256] (scores, unpack, "
+                         f"keys partitions) summing to at most 512, got {regs!r}")
+    return counts
 
 
 @functools.lru_cache(maxsize=256)

@@ -582,17 +582,20 @@ def _split_kernel_ws(q_ptr, codes_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_pt
 
 
 def kernel_arguments(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: torch.Tensor,
-                     split_len: int, regs: tuple[int, int, int] = (168, 104, 232),
+                     split_len: int, regs: tuple[int, int, int] | None = None,
                      heads: tuple[int, int, int] | None = None) -> tuple[list, dict, dict]:
     """``(arguments, constexprs, options)`` of one launch of ``_split_kernel_ws`` on a problem
     ``ws_limit`` accepts (``codes`` with at least one row). ``regs``: registers per thread of
-    the scores, unpack and keys partitions (``setmaxnreg``; at most 512 in all, so the three
-    warp groups fit one multiprocessor's register file). ``heads``: ``(kv heads per program,
+    the scores, unpack and keys partitions (``setmaxnreg``; ``_fsq_plan.check_ws_regs``), by
+    default ``WS_TUNING["regs"]`` or else ``_fsq_plan.WS_REGS``. ``heads``: ``(kv heads per program,
     code buffers, key buffers)``, by default ``_fsq_plan.ws_program_heads``; the grid's second
     axis is ``batch x kv_heads / heads``."""
     batch, q_heads, head_dim = p.query.shape
     kv_heads, width = p.kv_heads, p.width
     half = head_dim // 2
+    if regs is None:
+        regs = WS_TUNING["regs"] or _fsq_plan.WS_REGS
+    regs = _fsq_plan.check_ws_regs(regs)
     kind, (cos_a, sin_a, cos_b, sin_b), kd, kb, kn = kernel_tensors(p, acc)
     per_program, code_stages, key_stages = _fsq_plan.ws_program_heads(p) if heads is None else heads
     bits = uniform_bits(p.levels)

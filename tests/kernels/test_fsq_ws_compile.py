@@ -19,10 +19,12 @@ from fsq_cases import make_fsq_case
 from kernels import validate_fsq_args
 from kernels._fsq_plan import (
     WS_MIN_TRITON,
+    WS_REGS,
     WS_SHARED_LIMIT,
     WS_SHARED_SLACK,
     WS_TUNING,
     _triton_version,
+    check_ws_regs,
     splits_for,
     uniform_bits,
     ws_block_bytes,
@@ -205,3 +207,29 @@ def test_no_product_is_serialized(monkeypatch, tmp_path, width, pv_ahead):
     sass = _sass(kernel, tmp_path)
     issued, waits = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR")
     assert issued >= 16 and waits < issued / 2, (issued, waits)
+
+
+def _setmaxnreg(ptx: str) -> list[int]:
+    return sorted(int(line.rsplit(None, 1)[-1].rstrip(";")) for line in ptx.splitlines()
+                  if "setmaxnreg." in line)
+
+
+@pytest.mark.parametrize("regs", [None, (168, 152, 192)], ids=["plan", "knob"])
+def test_partitions_take_the_register_split(monkeypatch, regs):
+    """``WS_TUNING["regs"]`` (else ``WS_REGS``) sets the three partitions' registers: the
+    scores partition's by the launch's ``maxnreg``, the other two by ``setmaxnreg``."""
+    monkeypatch.setitem(WS_TUNING, "regs", regs)
+    case = make_fsq_case(batch=2, archived=300, q_heads=12, kv_heads=12, head_dim=64,
+                         width=192, rope=None, k_norm=False, dtype=torch.bfloat16)
+    _, consts, kernel = _compile(case)
+    scores, unpack, keys = regs or WS_REGS
+    assert (consts["UNPACK_REGS"], consts["KEY_REGS"]) == (unpack, keys)
+    assert set(_setmaxnreg(kernel.asm["ptx"])) >= {unpack, keys}
+    assert kernel.metadata.maxnreg == scores
+
+
+@pytest.mark.parametrize("regs", [(168, 104), (168, 104, 236), (256, 256, 8), (200, 160, 160),
+                                  "abc"])
+def test_a_bad_register_split_is_refused_by_name(regs):
+    with pytest.raises(ValueError, match="regs must be three multiples of 8"):
+        check_ws_regs(regs)
