@@ -53,11 +53,12 @@ MERGE_TUNING = {"num_warps": 4, "block_e": 16}
 
 
 @triton.jit
-def _load_rows(rows, n_ok, NBYTES: tl.constexpr, BLOCK_B: tl.constexpr):
-    """The packed rows at ``rows`` ``(BLOCK_N,)``: ``(BLOCK_N, BLOCK_B)`` uint8, zero past a
-    row or a masked position."""
-    j = tl.arange(0, BLOCK_B)
-    if NBYTES == BLOCK_B:  # whole rows: a mask constant along the row keeps the loads wide
+def _load_rows(rows, n_ok, NBYTES: tl.constexpr, BLOCK_B: tl.constexpr, FIRST: tl.constexpr = 0):
+    """Bytes ``[FIRST, FIRST + BLOCK_B)`` of the packed rows at ``rows`` ``(BLOCK_N,)``:
+    ``(BLOCK_N, BLOCK_B)`` uint8, zero past a row or a masked position."""
+    j = FIRST + tl.arange(0, BLOCK_B)
+    if FIRST + BLOCK_B <= NBYTES:  # whole bytes: a mask constant along the row keeps the
+        # loads wide
         return tl.load(rows[:, None] + j[None, :], mask=n_ok[:, None], other=0)
     return tl.load(rows[:, None] + j[None, :], mask=n_ok[:, None] & (j < NBYTES)[None, :],
                    other=0)
@@ -148,6 +149,88 @@ def _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, base, n_ok, dd, dd_ok, HALF: t
 
 
 @triton.jit
+def _head_constants(q_ptr, kb_ptr, kn_ptr, b, kvh, q_sb, q_sh, kb_sh, GROUP,
+                    HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
+                    Q_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """What a split program of kv head ``kvh`` holds for all its blocks: ``(g_ok, heads, dd,
+    dd_ok, q1, q2, b1, b2, w1, w2)``: its query heads (``BLOCK_M`` rows, ``g_ok`` the real
+    ones), the head-dim lanes of a half (``BLOCK_H``, ``dd_ok`` the real ones), the query's
+    halves ``(BLOCK_M, BLOCK_H)`` in ``Q_T``, the key bias's and RMSNorm weight's halves
+    ``(BLOCK_H,)`` float32 (zeros / unread placeholders where absent)."""
+    g = tl.arange(0, BLOCK_M)
+    g_ok = g < GROUP
+    heads = kvh * GROUP + g
+    dd = tl.arange(0, BLOCK_H)
+    dd_ok = dd < HALF
+    q_ok = g_ok[:, None] & dd_ok[None, :]
+    q_rows = q_ptr + b * q_sb + heads[:, None] * q_sh + dd[None, :]
+    q1 = tl.load(q_rows, mask=q_ok, other=0.0).to(Q_T)
+    q2 = tl.load(q_rows + HALF, mask=q_ok, other=0.0).to(Q_T)
+    if HAS_BIAS:
+        b1 = tl.load(kb_ptr + kvh * kb_sh + dd, mask=dd_ok, other=0.0).to(tl.float32)
+        b2 = tl.load(kb_ptr + kvh * kb_sh + HALF + dd, mask=dd_ok, other=0.0).to(tl.float32)
+    else:
+        b1 = tl.zeros([BLOCK_H], tl.float32)
+        b2 = tl.zeros([BLOCK_H], tl.float32)
+    w1 = b1  # (unread without the norm)
+    w2 = b2
+    if HAS_NORM:
+        w1 = tl.load(kn_ptr + dd, mask=dd_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(kn_ptr + HALF + dd, mask=dd_ok, other=0.0).to(tl.float32)
+    return g_ok, heads, dd, dd_ok, q1, q2, b1, b2, w1, w2
+
+
+@triton.jit
+def _decoder_halves(kd_ptr, kvh, kd_sh, kd_sd, kd_sw, c, c_ok, dd, dd_ok, HALF: tl.constexpr,
+                    CODE_T: tl.constexpr):
+    """Code coordinates ``c`` of kv head ``kvh``'s key decoder, as its two head-dim halves
+    ``(len(c), BLOCK_H)`` in ``CODE_T`` (zero past ``c_ok`` / ``dd_ok``)."""
+    dec = kd_ptr + kvh * kd_sh + dd[None, :] * kd_sd + c[:, None] * kd_sw
+    dec_ok = c_ok[:, None] & dd_ok[None, :]
+    return (tl.load(dec, mask=dec_ok, other=0.0).to(CODE_T),
+            tl.load(dec + HALF * kd_sd, mask=dec_ok, other=0.0).to(CODE_T))
+
+
+@triton.jit
+def _block_weights(k1, k2, q1, q2, w1, w2, m, l, eps, qk_scale, n, n0, n_ok, sink, pos_base,
+                   p_sn, cos_a, sin_a, cos_b, sin_b, dd, dd_ok, HALF: tl.constexpr,
+                   BLOCK_H: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+                   HAS_POS: tl.constexpr, Q_T: tl.constexpr, KEY_ROUND: tl.constexpr,
+                   P_ROUND: tl.constexpr, CODE_T: tl.constexpr):
+    """One block's softmax weights from its raw key halves ``k1, k2`` ``(BLOCK_N, BLOCK_H)``
+    float32 (bias included): RMSNorm (``w1, w2`` its weight halves), RoPE at the positions
+    ``n`` (``sink + n``, or read at ``pos_base``), the scores of the query halves ``q1, q2``
+    ``(BLOCK_M, BLOCK_H)`` and the online softmax's step from running ``(m, l)``: ``(p
+    (BLOCK_M, BLOCK_N) in CODE_T, alpha, m, l)``, ``alpha`` the factor on what the running
+    sums hold."""
+    if HAS_NORM:  # padded columns are zero: the sums cover the head exactly
+        ms = (tl.sum(k1 * k1, axis=1) + tl.sum(k2 * k2, axis=1)) / (2 * HALF)
+        r = tl.math.rsqrt(ms + eps)
+        k1 = k1 * r[:, None] * w1[None, :]
+        k2 = k2 * r[:, None] * w2[None, :]
+    if ROPE > 0:
+        if HAS_POS:
+            pos = tl.load(pos_base + n * p_sn, mask=n_ok, other=0).to(tl.int32)
+        else:
+            pos = sink + n
+        cos1, sin1, cos2, sin2 = _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, sink + n0,
+                                              n_ok, dd, dd_ok, HALF, HALF == BLOCK_H,
+                                              ROPE, not HAS_POS)
+        k1, k2 = k1 * cos1 - k2 * sin1, k2 * cos2 + k1 * sin2
+    # keys rounded to the query's dtype (as a dense cache holds them); the weights to the
+    # codes' dtype (the codes are exact in it, the weight sum uses the rounded weights too)
+    score = _mm(q1, tl.trans(k1.to(KEY_ROUND).to(Q_T)),
+                tl.zeros([q1.shape[0], k1.shape[0]], tl.float32), False)
+    score = _mm(q2, tl.trans(k2.to(KEY_ROUND).to(Q_T)), score, False) * qk_scale
+    score = tl.where(n_ok[None, :], score, float("-inf"))
+    m_new = tl.maximum(m, tl.max(score, axis=1))
+    alpha = tl.math.exp2(m - m_new)
+    p = tl.math.exp2(score - m_new[:, None]).to(P_ROUND).to(CODE_T)
+    l = l * alpha + tl.sum(p.to(tl.float32), axis=1)
+    return p, alpha, m_new, l
+
+
+@triton.jit
 def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr, kn_ptr,
                   cos_a, sin_a, cos_b, sin_b, acc_ptr, ml_ptr, qk_scale, eps,
                   q_sb, q_sh, c_sb, c_sn, p_sb, p_sn, kd_sh, kd_sd, kd_sw, kb_sh,
@@ -168,31 +251,14 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
     start = split * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, tl.load(alen_ptr + b))
     if start < end:  # the merge reads only the splits that hold positions
-        g = tl.arange(0, BLOCK_M)
-        g_ok = g < GROUP
-        heads = kvh * GROUP + g
-        dd = tl.arange(0, BLOCK_H)
-        dd_ok = dd < HALF
+        g_ok, heads, dd, dd_ok, q1, q2, b1, b2, w1, w2 = _head_constants(
+            q_ptr, kb_ptr, kn_ptr, b, kvh, q_sb, q_sh, kb_sh, GROUP, HALF, HAS_BIAS, HAS_NORM,
+            Q_T, BLOCK_M, BLOCK_H)
         c = tl.arange(0, BLOCK_W)
         c_ok = c < WIDTH
         # the decoder halves (width, head_dim / 2), loaded once per program
-        dec = kd_ptr + kvh * kd_sh + dd[None, :] * kd_sd + c[:, None] * kd_sw
-        dec_ok = c_ok[:, None] & dd_ok[None, :]
-        dec1 = tl.load(dec, mask=dec_ok, other=0.0).to(CODE_T)
-        dec2 = tl.load(dec + HALF * kd_sd, mask=dec_ok, other=0.0).to(CODE_T)
-        q_ok = g_ok[:, None] & dd_ok[None, :]
-        q_rows = q_ptr + b * q_sb + heads[:, None] * q_sh + dd[None, :]
-        q1 = tl.load(q_rows, mask=q_ok, other=0.0).to(Q_T)
-        q2 = tl.load(q_rows + HALF, mask=q_ok, other=0.0).to(Q_T)
-        if HAS_BIAS:
-            b1 = tl.load(kb_ptr + kvh * kb_sh + dd, mask=dd_ok, other=0.0).to(tl.float32)
-            b2 = tl.load(kb_ptr + kvh * kb_sh + HALF + dd, mask=dd_ok, other=0.0).to(tl.float32)
-        else:
-            b1 = tl.zeros([BLOCK_H], tl.float32)
-            b2 = tl.zeros([BLOCK_H], tl.float32)
-        if HAS_NORM:
-            w1 = tl.load(kn_ptr + dd, mask=dd_ok, other=0.0).to(tl.float32)
-            w2 = tl.load(kn_ptr + HALF + dd, mask=dd_ok, other=0.0).to(tl.float32)
+        dec1, dec2 = _decoder_halves(kd_ptr, kvh, kd_sh, kd_sd, kd_sw, c, c_ok, dd, dd_ok, HALF,
+                                     CODE_T)
         sink = tl.load(slen_ptr + b)
         row_base = codes_ptr + b.to(tl.int64) * c_sb
         pos_base = pos_ptr + b.to(tl.int64) * p_sb
@@ -216,33 +282,11 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
             # the bias is the products' initial accumulator
             k1 = _mm(z, dec1, tl.broadcast_to(b1[None, :], (BLOCK_N, BLOCK_H)), DEC_F32)
             k2 = _mm(z, dec2, tl.broadcast_to(b2[None, :], (BLOCK_N, BLOCK_H)), DEC_F32)
-            if HAS_NORM:  # padded columns are zero: the sums cover the head exactly
-                ms = (tl.sum(k1 * k1, axis=1) + tl.sum(k2 * k2, axis=1)) / (2 * HALF)
-                r = tl.math.rsqrt(ms + eps)
-                k1 = k1 * r[:, None] * w1[None, :]
-                k2 = k2 * r[:, None] * w2[None, :]
-            if ROPE > 0:
-                if HAS_POS:
-                    pos = tl.load(pos_base + n * p_sn, mask=n_ok, other=0).to(tl.int32)
-                else:
-                    pos = sink + n
-                cos1, sin1, cos2, sin2 = _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, sink + n0,
-                                                      n_ok, dd, dd_ok, HALF, HALF == BLOCK_H,
-                                                      ROPE, not HAS_POS)
-                k1, k2 = k1 * cos1 - k2 * sin1, k2 * cos2 + k1 * sin2
-            # keys rounded to the query's dtype (as a dense cache holds them); the weights to
-            # the codes' dtype (the codes are exact in it, the weight sum uses the rounded
-            # weights too)
-            score = _mm(q1, tl.trans(k1.to(KEY_ROUND).to(Q_T)),
-                        tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False)
-            score = _mm(q2, tl.trans(k2.to(KEY_ROUND).to(Q_T)), score, False) * qk_scale
-            score = tl.where(n_ok[None, :], score, float("-inf"))
-            m_new = tl.maximum(m, tl.max(score, axis=1))
-            alpha = tl.math.exp2(m - m_new)
-            p = tl.math.exp2(score - m_new[:, None]).to(P_ROUND).to(CODE_T)
-            l = l * alpha + tl.sum(p.to(tl.float32), axis=1)
+            p, alpha, m, l = _block_weights(
+                k1, k2, q1, q2, w1, w2, m, l, eps, qk_scale, n, n0, n_ok, sink, pos_base, p_sn,
+                cos_a, sin_a, cos_b, sin_b, dd, dd_ok, HALF, BLOCK_H, ROPE, HAS_NORM, HAS_POS,
+                Q_T, KEY_ROUND, P_ROUND, CODE_T)
             acc = _mm(p, z, acc * alpha[:, None], DEC_F32)
-            m = m_new
         out = acc_ptr + b * a_sb + split * a_sp
         tl.store(out + heads[:, None] * a_sh + c[None, :], acc,
                  mask=g_ok[:, None] & c_ok[None, :])
