@@ -32,10 +32,13 @@ from kernels._common import LOG2E, NEG_BIG, exact_tokens, interpreted, launchabl
 from kernels._fsq_plan import (
     ROPE_RADIX_BITS,
     SPLIT_TUNING,
+    TILE_WIDTH,
+    WIDE_TUNING,
     WS_BLOCK_N,
     FsqProblem,
     kernel_limit,
     kernel_tensors,
+    split_block_n,
     splits_for,
     uniform_bits,
     uses_ws,
@@ -385,7 +388,7 @@ def decode(problem: FsqProblem, *, num_splits: int | None = None, num_warps: int
     tune = SPLIT_TUNING
     ws = block_n is None and num_warps is None and num_stages is None and uses_ws(p)
     if block_n is None:  # (an explicit knob runs the Triton split kernel at its own default)
-        block_n = WS_BLOCK_N if ws else tune["block_n"]
+        block_n = WS_BLOCK_N if ws else split_block_n(p)
     if block_n < 16 or block_n & (block_n - 1) or block_n > 1 << ROPE_RADIX_BITS:
         # (a block's angles come from the first block_n rows of the 2^11-row low table)
         raise ValueError(f"block_n must be a power of two in [16, {1 << ROPE_RADIX_BITS}], "
@@ -424,27 +427,34 @@ def _launch_split(p: FsqProblem, codes: torch.Tensor, acc: torch.Tensor, ml: tor
     bits = uniform_bits(p.levels)
     subs = 8 // bits
     nbytes = codes.shape[2]
-    block_b = max(pow2(nbytes), 16 // subs)
     # the interpreter reads bfloat16 dot operands as raw bits: there the operands are float32,
     # rounded first to the dtypes the GPU's products take (keys: the query's; weights: the
     # codes'), so interpreted runs check that rounding too
     widen = interpreted()
     p_round = tl.float32 if kd.dtype == torch.float32 else _TL[kd.dtype]
     code_t = tl.float32 if widen else p_round
-    _split_kernel[(splits, batch * kv_heads)](
-        p.query, codes, pos, p.archived_lengths, p.sink_lengths, kd, kb, kn,
-        cos_a, sin_a, cos_b, sin_b, acc, ml, p.scale * LOG2E, p.eps,
-        p.query.stride(0), p.query.stride(1), codes.stride(0), codes.stride(1), p_sb, p_sn,
-        *kd.stride(), kb.stride(0), *acc.stride()[:3], *ml.stride()[:3],
-        kv_heads, group, half, width, split_len, NBYTES=nbytes,
-        BITS=bits, SUBS=subs, ROPE=kind, HAS_BIAS=p.key_bias is not None,
-        HAS_NORM=p.k_norm is not None, HAS_POS=p.positions is not None,
-        DEC_F32=kd.dtype == torch.float32, NO_LICM=SPLIT_TUNING["no_licm"],
-        PREFETCH=SPLIT_TUNING["prefetch"],
-        CODE_T=code_t, Q_T=tl.float32 if widen else _TL[p.query.dtype],
-        KEY_ROUND=_TL[p.query.dtype], P_ROUND=p_round, BLOCK_M=max(16, pow2(group)),
-        BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_W=block_b * subs, BLOCK_H=pow2(half, 16),
-        num_warps=num_warps, num_stages=num_stages)
+    args = (p.query, codes, pos, p.archived_lengths, p.sink_lengths, kd, kb, kn,
+            cos_a, sin_a, cos_b, sin_b, acc, ml, p.scale * LOG2E, p.eps,
+            p.query.stride(0), p.query.stride(1), codes.stride(0), codes.stride(1), p_sb, p_sn,
+            *kd.stride(), kb.stride(0), *acc.stride()[:3], *ml.stride()[:3],
+            kv_heads, group, half, width, split_len)
+    consts = dict(NBYTES=nbytes, BITS=bits, SUBS=subs, ROPE=kind,
+                  HAS_BIAS=p.key_bias is not None, HAS_NORM=p.k_norm is not None,
+                  HAS_POS=p.positions is not None, DEC_F32=kd.dtype == torch.float32,
+                  NO_LICM=SPLIT_TUNING["no_licm"], CODE_T=code_t,
+                  Q_T=tl.float32 if widen else _TL[p.query.dtype], KEY_ROUND=_TL[p.query.dtype],
+                  P_ROUND=p_round, BLOCK_M=max(16, pow2(group)), BLOCK_N=block_n,
+                  BLOCK_H=pow2(half, 16), num_warps=num_warps, num_stages=num_stages)
+    grid = (splits, batch * kv_heads)
+    if width > TILE_WIDTH:  # (codes in tiles: kernels._fsq_wide)
+        from kernels import _fsq_wide
+
+        count, tile_b = _fsq_wide.tiles(width, bits, WIDE_TUNING["tile"])
+        _fsq_wide._split_kernel_wide[grid](*args, **consts, TILES=count, TILE_B=tile_b)
+        return
+    block_b = max(pow2(nbytes), 16 // subs)
+    _split_kernel[grid](*args, **consts, PREFETCH=SPLIT_TUNING["prefetch"], BLOCK_B=block_b,
+                        BLOCK_W=block_b * subs)
 
 
 def _merge(p: FsqProblem, acc: torch.Tensor, ml: torch.Tensor, split_len: int) -> torch.Tensor:

@@ -23,7 +23,10 @@ import torch
 from kernels._plan import MAX_SPLITS, multiprocessors, pow2, split_layout
 
 KERNEL_BITS = (1, 2, 4, 8)  # uniform power-of-two levels 2, 4, 16, 256
-MAX_KERNEL_WIDTH = 256  # code coordinates the kernel holds per position (registers)
+TILE_WIDTH = 256  # code coordinates a split program holds whole (registers)
+# code coordinates the Triton kernel takes: wider codes run in tiles of TILE_WIDTH
+# (kernels._fsq_wide), whose weighted sums a program holds all at once
+MAX_KERNEL_WIDTH = 4 * TILE_WIDTH
 MAX_KERNEL_GROUP = 64  # query heads per kv head one kernel program serves
 MAX_KERNEL_HEAD_DIM = 256
 ROPE_RADIX_BITS = 11  # theta mode: position = hi * 2^11 + lo, one angle table per part
@@ -36,6 +39,11 @@ MIN_SPLIT_LEN = 256  # archived positions per split program, at least
 # Qwen3-8B widths, 256 and 84; bench/results/fsq_kernels.json)
 SPLIT_TUNING = {"block_n": 128, "num_warps": 8, "num_stages": 1, "prefetch": True,
                 "no_licm": True, "ws": True}
+# the split kernel for codes wider than TILE_WIDTH (kernels._fsq_wide): positions per step
+# and code coordinates per tile (the most that compile without spills on sm_90 with Triton
+# 3.6 and 3.9 at Qwen3-8B's 12x, w = 682, 8 warps: 128-position steps or 128-coordinate
+# tiles spill 280 to 920 bytes per thread; untimed)
+WIDE_TUNING = {"block_n": 64, "tile": 64}
 WS_BLOCK_N = 64  # positions per step of the warp-specialized kernel: one warp group's rows
 WS_CODE_STAGES = 3  # its code buffers: one being unpacked, one for the keys, one weighted
 # positions a split program's fixed work stands for (decoder load, its share of the merge),
@@ -397,8 +405,8 @@ def _ws_shape_limit(dtype, decoder_dtype, levels, q_heads, head_dim, kv_heads, w
         return "needs at most 16 query heads per kv head"
     if rope == "tables" or (rope == "theta" and has_positions):
         return "needs RoPE by theta at consecutive positions, or no RoPE"
-    if width > MAX_KERNEL_WIDTH:
-        return f"needs at most {MAX_KERNEL_WIDTH} code coordinates"
+    if width > TILE_WIDTH:
+        return f"needs at most {TILE_WIDTH} code coordinates"
     shared = ws_shared_bytes(width, head_dim, bits)
     if shared + WS_SHARED_SLACK > WS_SHARED_LIMIT:
         return (f"needs its buffers within {WS_SHARED_LIMIT // 1024} KB of shared memory; "
@@ -412,9 +420,16 @@ def uses_ws(problem: FsqProblem) -> bool:
     return bool(SPLIT_TUNING["ws"]) and ws_limit(problem) is None
 
 
+def split_block_n(problem: FsqProblem) -> int:
+    """Positions per step of the Triton split kernel on this problem (codes in tiles take
+    :data:`WIDE_TUNING`'s)."""
+    return (WIDE_TUNING["block_n"] if problem.width > TILE_WIDTH
+            else SPLIT_TUNING["block_n"])
+
+
 def default_block_n(problem: FsqProblem) -> int:
     """Positions per step of the split kernel this problem runs by default."""
-    return WS_BLOCK_N if uses_ws(problem) else SPLIT_TUNING["block_n"]
+    return WS_BLOCK_N if uses_ws(problem) else split_block_n(problem)
 
 
 def ws_program_heads(problem: FsqProblem) -> tuple[int, int, int]:

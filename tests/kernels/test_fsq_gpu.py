@@ -40,7 +40,7 @@ def check(case, **kwargs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("width", [256, 84])  # Qwen3-8B at 32x and 97.5x (L = 16)
+@pytest.mark.parametrize("width", [682, 256, 84])  # Qwen3-8B at 12x (tiled), 32x, 97.5x
 def test_gpu_qwen3_matches_reference(dtype, width):
     case = make_fsq_case(batch=3, width=width, archived=3000, sinks=4, recent=32, dtype=dtype,
                          device="cuda", archived_lengths=[3000, 1777, 1],
@@ -50,7 +50,8 @@ def test_gpu_qwen3_matches_reference(dtype, width):
     torch.testing.assert_close(fsq_decode_attention(**case), out)  # auto: the kernel
 
 
-@pytest.mark.parametrize("levels,width", [(16, 192), (2, 256), (4, 100), (256, 64)])
+@pytest.mark.parametrize("levels,width", [(16, 192), (2, 256), (4, 100), (256, 64),
+                                          (256, 300), (2, 1024)])
 def test_gpu_gpt2_and_every_level(levels, width):
     case = make_fsq_case(batch=2, width=width, levels=levels, archived=2500, rope=None,
                          k_norm=False, device="cuda", **GPT2)
@@ -77,8 +78,9 @@ def test_gpu_long_context_far_positions(start):
     check(dict(case, rope=(angles.cos().float(), angles.sin().float())))
 
 
-def test_gpu_peak_memory_holds_no_per_position_keys_or_values():
-    case = make_fsq_case(batch=2, width=256, archived=100_000, sinks=4, recent=32,
+@pytest.mark.parametrize("width", [256, 682])  # (682: codes in tiles)
+def test_gpu_peak_memory_holds_no_per_position_keys_or_values(width):
+    case = make_fsq_case(batch=2, width=width, archived=100_000, sinks=4, recent=32,
                          device="cuda", **QWEN3)
     problem = validate_fsq_args(**case)
     fsq_decode_attention(**case)  # compile, fill the RoPE table cache

@@ -96,6 +96,36 @@ def test_every_kernel_level(levels, width):
     check(make_fsq_case(levels=levels, width=width, archived=70), num_splits=2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("levels,width,extra", [
+    (16, 682, {}),  # Qwen3-8B at 12x: 11 tiles, the last part-filled
+    (256, 300, {"rope": None, "k_norm": False, "bias": False}),
+    (2, 1024, {"positions": 100_000, "decoder_dtype": torch.float32}),  # the widest
+], ids=["12x", "8-bit-no-rope", "1-bit-widest"])
+def test_codes_wider_than_a_tile_run_in_tiles(monkeypatch, dtype, levels, width, extra):
+    from kernels import _fsq_wide
+    from kernels._fsq_plan import TILE_WIDTH, WIDE_TUNING, splits_for
+
+    launched = []
+    kernel = _fsq_wide._split_kernel_wide
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(_fsq_wide, "_split_kernel_wide", Spy())
+    case = make_fsq_case(levels=levels, width=width, dtype=dtype, archived=150,
+                         archived_lengths=[150, 77], recent_lengths=[3, 1], **extra)
+    problem = validate_fsq_args(**case)
+    assert problem.width > TILE_WIDTH
+    count, _ = _fsq_wide.tiles(width, 8, WIDE_TUNING["tile"])
+    assert (count - 1) * WIDE_TUNING["tile"] < width <= count * WIDE_TUNING["tile"]
+    assert splits_for(problem, 3)[0] % WIDE_TUNING["block_n"] == 0
+    check(case, num_splits=3)
+    assert launched == [(3, 2 * 2)]  # (splits, batch x kv heads)
+
+
 def test_gpt2_path_no_rope_no_norm_no_bias():
     case = make_fsq_case(q_heads=4, kv_heads=4, head_dim=64, width=48, rope=None,
                          k_norm=False, bias=False, archived=90, archived_lengths=[90, 31])
@@ -172,7 +202,7 @@ def test_trusted_path_runs_the_kernel():
     kv_heads=st.integers(1, 2),
     group=st.sampled_from([1, 2, 5]),
     head_dim=st.sampled_from([16, 20, 64]),
-    width=st.integers(1, 70),
+    width=st.one_of(st.integers(1, 70), st.integers(250, 600)),  # (past 256: in tiles)
     levels=st.sampled_from([2, 4, 16, 256]),
     archived=st.integers(0, 140),
     sinks=st.integers(0, 3),

@@ -137,7 +137,7 @@ def test_arguments_are_checked_and_named():
 
 
 @pytest.mark.parametrize("change,limit", [
-    ({"width": 300}, "exceeds the kernel's limit of 256"),
+    ({"width": 1030}, "exceeds the kernel's limit of 1024"),
     ({"levels": 8}, "not one uniform level"),
     ({"levels": [16] * 23 + [4]}, "not one uniform level"),
 ])
