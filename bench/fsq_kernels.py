@@ -110,9 +110,9 @@ def dense_bytes(shape, context, batch):
     return batch * hkv * context * d * 2 * 2 + batch * hq * d * 2 * 2
 
 
-def run_grid(contexts, batches, graphs=True, rvq=True, tuning=None):
-    """The table's rows; ``tuning`` (config name -> split-kernel settings, e.g. the sweep's
-    best) is applied to the kernel's defaults for that config's rows."""
+def run_grid(contexts, batches, graphs=True, rvq=True, tuning=None, configs=CONFIGS):
+    """The table's rows for ``configs``; ``tuning`` (config name -> split-kernel settings,
+    e.g. the sweep's best) is applied to the kernel's defaults for that config's rows."""
     import torch
     import torch.nn.functional as F
 
@@ -126,7 +126,7 @@ def run_grid(contexts, batches, graphs=True, rvq=True, tuning=None):
     from kernels._fsq_plan import SPLIT_TUNING, uses_ws
 
     shipped = dict(SPLIT_TUNING)
-    for name, shape, width, levels in CONFIGS:
+    for name, shape, width, levels in configs:
         rope = name.startswith("qwen3")
         SPLIT_TUNING.clear()
         SPLIT_TUNING.update(shipped)
@@ -537,6 +537,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--contexts", type=int, nargs="+", help="grid contexts (default: 4K-128K)")
     ap.add_argument("--batches", type=int, nargs="+", help="grid batches (default: 1 8 32)")
+    ap.add_argument("--configs", nargs="+", metavar="NAME",
+                    help="grid configs whose names contain one of these, e.g. 12x "
+                    f"(default: all of {', '.join(c[0] for c in CONFIGS)})")
     ap.add_argument("--sweep", action="store_true", help="time the split kernel's knobs first")
     ap.add_argument("--no-grid", action="store_true", help="with --sweep: only the sweep")
     ap.add_argument("--heads", action="store_true", help="only the warp-specialized kernel's "
@@ -564,6 +567,12 @@ def main(argv=None):
         return
     if args.no_grid and not args.sweep:
         ap.error("--no-grid leaves nothing to run without --sweep")
+    configs = CONFIGS
+    if args.configs is not None:
+        configs = [c for c in CONFIGS if any(part in c[0] for part in args.configs)]
+        if not configs:
+            ap.error(f"--configs: {args.configs!r} names none of "
+                     f"{', '.join(c[0] for c in CONFIGS)}")
     choices = None
     if args.choices is not None:
         if not args.heads:
@@ -614,7 +623,7 @@ def main(argv=None):
         # the gpt2 shape takes the setting of the Qwen3 config of the nearest width
         tuning["gpt2 32x"] = tuning.get("qwen3-8b 32x")
     if not args.no_grid:
-        data.update(run_grid(contexts, batches, tuning=tuning))
+        data.update(run_grid(contexts, batches, tuning=tuning, configs=configs))
         data["tuning"] = tuning
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1))

@@ -152,6 +152,18 @@ def _rope_angles(cos_a, sin_a, cos_b, sin_b, pos, base, n_ok, dd, dd_ok, HALF: t
 
 
 @triton.jit
+def _program_split(alen_ptr, KV_HEADS, SPLIT_LEN):
+    """A split program's ``(split, sequence, kv head, first position, end)``; ``end <=
+    first`` for a split past its sequence's archive."""
+    split = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = pid // KV_HEADS
+    start = split * SPLIT_LEN
+    return split, b, pid % KV_HEADS, start, tl.minimum(start + SPLIT_LEN,
+                                                        tl.load(alen_ptr + b))
+
+
+@triton.jit
 def _head_constants(q_ptr, kb_ptr, kn_ptr, b, kvh, q_sb, q_sh, kb_sh, GROUP,
                     HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
                     Q_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -247,12 +259,7 @@ def _split_kernel(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb_ptr,
                   BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr,
                   BLOCK_H: tl.constexpr):
-    split = tl.program_id(0)
-    pid = tl.program_id(1)
-    b = pid // KV_HEADS
-    kvh = pid % KV_HEADS
-    start = split * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, tl.load(alen_ptr + b))
+    split, b, kvh, start, end = _program_split(alen_ptr, KV_HEADS, SPLIT_LEN)
     if start < end:  # the merge reads only the splits that hold positions
         g_ok, heads, dd, dd_ok, q1, q2, b1, b2, w1, w2 = _head_constants(
             q_ptr, kb_ptr, kn_ptr, b, kvh, q_sb, q_sh, kb_sh, GROUP, HALF, HAS_BIAS, HAS_NORM,

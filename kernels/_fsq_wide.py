@@ -29,6 +29,7 @@ from kernels._fsq import (
     _head_constants,
     _load_rows,
     _mm,
+    _program_split,
     _unpack,
 )
 
@@ -63,12 +64,7 @@ def _split_kernel_wide(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb
                        P_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_H: tl.constexpr, TILES: tl.constexpr, TILE_B: tl.constexpr):
     TILE_W: tl.constexpr = TILE_B * SUBS
-    split = tl.program_id(0)
-    pid = tl.program_id(1)
-    b = pid // KV_HEADS
-    kvh = pid % KV_HEADS
-    start = split * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, tl.load(alen_ptr + b))
+    split, b, kvh, start, end = _program_split(alen_ptr, KV_HEADS, SPLIT_LEN)
     if start < end:  # the merge reads only the splits that hold positions
         g_ok, heads, dd, dd_ok, q1, q2, b1, b2, w1, w2 = _head_constants(
             q_ptr, kb_ptr, kn_ptr, b, kvh, q_sb, q_sh, kb_sh, GROUP, HALF, HAS_BIAS, HAS_NORM,

@@ -30,6 +30,7 @@ def test_a_choice_reads_as_heads_code_and_key_buffers(fsq_bench):
     (["--heads", "--choices", "h2k4"], "'h2k4' is not a choice"),
     (["--knobs", "{}"], "--knobs goes with --variants"),
     (["--variants", "--knobs", '{"no_such_knob": true}'], "no_such_knob"),
+    (["--configs", "13x"], "'13x'] names none of"),
     (["--variants", "--knobs", "[]"], "[] is not a set of WS_TUNING knobs"),
     (["--variants", "--knobs", '{"regs": [168, 152, 200]}'], "[168, 152, 200]"),
     (["--variants", "--knobs", '{"regs": [168, 150, 192]}'], "multiples of 8"),
