@@ -8,7 +8,7 @@ registers whole, so per block of ``BLOCK_N`` positions:
 1. for each tile of ``TILE_W`` coordinates (``TILE_B`` bytes of every packed row), the tile's
    bytes are loaded and unpacked and the key halves accumulate ``z_tile @ decoder_tile``
    (the decoder's tiles are read again every block, from L2: too large to stay resident);
-2. the block's softmax weights from the finished keys (``_fsq._block_weights``);
+2. the block's softmax weights from the finished keys (``_fsq_block._block_weights``);
 3. for each tile again, its bytes are reloaded (from L1/L2: the block's rows were just
    read) and its weighted code sums ``acc_tile += p @ z_tile``; the ``TILES`` accumulators
    are a tuple carried across the block loop.
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import NEG_BIG
-from kernels._fsq import (
+from kernels._fsq_block import (
     _block_weights,
     _decoder_halves,
     _head_constants,
