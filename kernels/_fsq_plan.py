@@ -245,8 +245,12 @@ WS_MAX_HEADS = 4  # kv heads one program of the warp-specialized kernel takes at
 # 97.5x runs fastest with 2 kv heads = 8 query heads per program, 4 were 11% to 24% slower;
 # GPT-2 with 4 kv heads = 4 query heads)
 WS_MAX_COLUMNS = 8
-# (code buffers, key buffers) a program of several kv heads may take, the first that fits
-WS_BUFFER_CHOICES = ((WS_CODE_STAGES, 2), (2, 2), (2, 1))
+# (code buffers, key buffers) a program of several kv heads may take, the first that fits.
+# Four key buffers first (H100, same process, `--heads --choices h2z3k2 h2z3k4 h2z3k6`,
+# fsq_kernels_heads_key_buffers.json: at 97.5x, the only Qwen3-8B width they fit, 0.5% to
+# 1.4% faster than two at all four points; six fit only GPT-2, whose plan takes 4 kv heads
+# with two)
+WS_BUFFER_CHOICES = ((WS_CODE_STAGES, 4), (WS_CODE_STAGES, 2), (2, 2), (2, 1))
 
 
 @functools.lru_cache(maxsize=256)
