@@ -302,8 +302,14 @@ WS_TUNING = {"bias_pad": True, "trim": True, "key_ahead": False, "bias_mma": Fal
 # registers per thread of the scores, unpack and keys partitions (setmaxnreg). The keys
 # partition's RoPE and RMSNorm tables take the most; ptxas (CPU compile, Triton 3.9) spills
 # none at 97.5x, 136 bytes at 32x and 224 for GPT-2 with this split, none for GPT-2 with
-# (168, 152, 192) and 88 bytes at 32x with (176, 96, 240): untimed, so not taken
+# (168, 152, 192): untimed, so not taken
 WS_REGS = (168, 104, 232)
+
+
+# the launch's registers per thread (the scores partition's maxnreg) times its 384 threads
+# must fit the 64K-register file, or the driver refuses the launch ("out of resource:
+# threads": 176 allows only 256 threads)
+WS_MAX_LAUNCH_REGS = 65536 // 384 // 8 * 8
 
 
 def check_ws_regs(regs) -> tuple[int, int, int]:
@@ -315,9 +321,10 @@ def check_ws_regs(regs) -> tuple[int, int, int]:
     except TypeError:
         counts = ()
     if (len(counts) != 3 or any(r % 8 or not 24 <= r <= 256 for r in counts)
-            or sum(counts) > 512):
+            or sum(counts) > 512 or counts[0] > WS_MAX_LAUNCH_REGS):
         raise ValueError("regs must be three multiples of 8 in [24, 256] (scores, unpack, "
-                         f"keys partitions) summing to at most 512, got {regs!r}")
+                         f"keys partitions) summing to at most 512, the scores' at most "
+                         f"{WS_MAX_LAUNCH_REGS}, got {regs!r}")
     return counts
 
 

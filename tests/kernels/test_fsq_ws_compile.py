@@ -229,7 +229,7 @@ def test_partitions_take_the_register_split(monkeypatch, regs):
 
 
 @pytest.mark.parametrize("regs", [(168, 104), (168, 104, 236), (256, 256, 8), (200, 160, 160),
-                                  "abc"])
+                                  (176, 96, 240), "abc"])
 def test_a_bad_register_split_is_refused_by_name(regs):
     with pytest.raises(ValueError, match="regs must be three multiples of 8"):
         check_ws_regs(regs)
