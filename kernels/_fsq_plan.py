@@ -294,7 +294,7 @@ def ws_block_bytes(width: int, bits: int) -> int:
 # rotation tables (two products an element fewer, two register tiles more; H100, same
 # process: 5-6% faster at 97.5x from batch 8, 2-4% at 32x); and the scores partition's
 # weighted-code product run beside the next block's turned query and first head's scores
-# (pv_ahead; compiles without serializing any MMA, not yet timed or run on a GPU); and
+# (pv_ahead; compiles without serializing any MMA, passes its GPU cases, untimed); and
 # "regs", the three partitions' registers per thread (None: WS_REGS)
 WS_TUNING = {"bias_pad": True, "trim": True, "key_ahead": False, "bias_mma": False,
              "halves": False, "fold_norm": True, "pv_ahead": False, "regs": None}
