@@ -40,10 +40,11 @@ MIN_SPLIT_LEN = 256  # archived positions per split program, at least
 SPLIT_TUNING = {"block_n": 128, "num_warps": 8, "num_stages": 1, "prefetch": True,
                 "no_licm": True, "ws": True}
 # the split kernel for codes wider than TILE_WIDTH (kernels._fsq_wide): positions per step
-# and code coordinates per tile (the most that compile without spills on sm_90 with Triton
-# 3.6 and 3.9 at Qwen3-8B's 12x, w = 682, 8 warps: 128-position steps or 128-coordinate
-# tiles spill 280 to 920 bytes per thread; untimed)
-WIDE_TUNING = {"block_n": 64, "tile": 64}
+# and code coordinates per tile (H100, one process, 12x, CUDA graph, every setting checked
+# first, bench/results/fsq_wide_sweep.json: 128 positions by 64 coordinates at 8 warps 21%
+# faster than 64 x 64 at batch 8, 32K and 7% at batch 1, though it spills 400 bytes per
+# thread; 128-coordinate tiles and 4 warps slower)
+WIDE_TUNING = {"block_n": 128, "tile": 64}
 WS_BLOCK_N = 64  # positions per step of the warp-specialized kernel: one warp group's rows
 WS_CODE_STAGES = 3  # its code buffers: one being unpacked, one for the keys, one weighted
 # positions a split program's fixed work stands for (decoder load, its share of the merge),
@@ -294,7 +295,8 @@ def ws_block_bytes(width: int, bits: int) -> int:
 # rotation tables (two products an element fewer, two register tiles more; H100, same
 # process: 5-6% faster at 97.5x from batch 8, 2-4% at 32x); and the scores partition's
 # weighted-code product run beside the next block's turned query and first head's scores
-# (pv_ahead; compiles without serializing any MMA, passes its GPU cases, untimed); and
+# (pv_ahead; passes its GPU cases; H100, same process: 3-7% slower at 97.5x, within 2%
+# elsewhere); and
 # "regs", the three partitions' registers per thread (None: WS_REGS)
 WS_TUNING = {"bias_pad": True, "trim": True, "key_ahead": False, "bias_mma": False,
              "halves": False, "fold_norm": True, "pv_ahead": False, "regs": None}
@@ -302,7 +304,7 @@ WS_TUNING = {"bias_pad": True, "trim": True, "key_ahead": False, "bias_mma": Fal
 # registers per thread of the scores, unpack and keys partitions (setmaxnreg). The keys
 # partition's RoPE and RMSNorm tables take the most; ptxas (CPU compile, Triton 3.9) spills
 # none at 97.5x, 136 bytes at 32x and 224 for GPT-2 with this split, none for GPT-2 with
-# (168, 152, 192): untimed, so not taken
+# (168, 152, 192), which is no faster (H100, same process: within 0.6%)
 WS_REGS = (168, 104, 232)
 
 

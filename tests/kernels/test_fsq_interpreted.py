@@ -115,15 +115,16 @@ def test_codes_wider_than_a_tile_run_in_tiles(monkeypatch, dtype, levels, width,
             return kernel[grid]
 
     monkeypatch.setattr(_fsq_wide, "_split_kernel_wide", Spy())
-    case = make_fsq_case(levels=levels, width=width, dtype=dtype, archived=150,
-                         archived_lengths=[150, 77], recent_lengths=[3, 1], **extra)
+    case = make_fsq_case(levels=levels, width=width, dtype=dtype, archived=300,
+                         archived_lengths=[300, 77], recent_lengths=[3, 1], **extra)
     problem = validate_fsq_args(**case)
     assert problem.width > TILE_WIDTH
     count, _ = _fsq_wide.tiles(width, 8, WIDE_TUNING["tile"])
     assert (count - 1) * WIDE_TUNING["tile"] < width <= count * WIDE_TUNING["tile"]
-    assert splits_for(problem, 3)[0] % WIDE_TUNING["block_n"] == 0
+    split_len, splits = splits_for(problem, 3)
+    assert split_len % WIDE_TUNING["block_n"] == 0 and splits > 1
     check(case, num_splits=3)
-    assert launched == [(3, 2 * 2)]  # (splits, batch x kv heads)
+    assert launched == [(splits, 2 * 2)]  # (splits, batch x kv heads)
 
 
 def test_gpt2_path_no_rope_no_norm_no_bias():
