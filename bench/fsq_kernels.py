@@ -389,6 +389,47 @@ def variants_sweep(points=((8, 131072), (1, 32768), (8, 32768), (32, 131072)),
     return checked_then_timed(run, lambda small: knob_sets, label, points, check_context)
 
 
+WIDE_SETTINGS = ((64, 64, 8), (128, 64, 8), (64, 128, 8), (64, 64, 4), (128, 128, 8),
+                 (32, 64, 4))
+
+
+def wide_sweep(points=((8, 32768), (1, 32768)), check_context=4096, settings=WIDE_SETTINGS):
+    """The tiled kernel's (codes wider than a tile: 12x) positions per block, coordinates per
+    tile and warps (``_fsq_plan.WIDE_TUNING``, ``SPLIT_TUNING["num_warps"]``), each checked
+    against the float32 reference first, then timed in a CUDA graph."""
+    import torch
+    from fsq_cases import assert_rows_close
+
+    from kernels import fsq_decode_attention, reference_fsq_decode_attention
+    from kernels._fsq_plan import SPLIT_TUNING, WIDE_TUNING
+
+    name, shape, width, levels = CONFIGS[0]
+    saved = dict(WIDE_TUNING), dict(SPLIT_TUNING)
+    small = fsq_case(shape, width, levels, check_context, 2, True)
+    ref = reference_fsq_decode_attention(**small, out_dtype=torch.float32)
+    rows = []
+    try:
+        for block_n, tile, warps in settings:
+            WIDE_TUNING.update(block_n=block_n, tile=tile)
+            SPLIT_TUNING["num_warps"] = warps
+            row = {"config": name, "block_n": block_n, "tile": tile, "num_warps": warps}
+            try:
+                assert_rows_close(fsq_decode_attention(**small, backend="triton"), ref)
+            except AssertionError as exc:
+                row["wrong"] = str(exc)
+            else:
+                for batch, context in points:
+                    case = fsq_case(shape, width, levels, context, batch, True)
+                    row[f"b{batch}_{context}"] = time_ms(functools.partial(
+                        fsq_decode_attention, **case, check_codes=False), graph=True)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        WIDE_TUNING.update(saved[0])
+        SPLIT_TUNING.update(saved[1])
+    return rows
+
+
 # (also measured and removed: the merge launched as a programmatic dependent of the split
 # kernel, its exact tokens before `griddepcontrol.wait`: 0.97x-1.03x, commit 3236a20's
 # fsq_kernels_merge_knobs.json)
@@ -554,6 +595,8 @@ def main(argv=None):
                     "list, each a JSON object of changes, e.g. '{}' '{\"halves\": false}'")
     ap.add_argument("--merge", action="store_true", help="only the merge kernel's knobs "
                     "(_fsq.MERGE_TUNING) on and off, SDPA beside them")
+    ap.add_argument("--wide", action="store_true", help="only the tiled (12x) kernel's "
+                    "block, tile and warps (_fsq_plan.WIDE_TUNING)")
     ap.add_argument("--eager", action="store_true", help="only the host-side cost of a call "
                     "(validated, trusted path, SDPA) at a few small shapes")
     ap.add_argument("--plot", type=Path, help="print the table of a saved result")
@@ -604,7 +647,8 @@ def main(argv=None):
                 if args.knobs else variants_sweep)
     heads = functools.partial(heads_sweep, choices=choices) if choices else heads_sweep
     for flag, measure in (("heads", heads), ("variants", variants),
-                          ("merge", merge_sweep), ("eager", eager_calls)):
+                          ("merge", merge_sweep), ("wide", wide_sweep),
+                          ("eager", eager_calls)):
         if getattr(args, flag):  # one measurement alone, to its own file by default
             out = args.out
             if out == DEFAULT_OUT:

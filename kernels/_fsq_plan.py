@@ -41,7 +41,7 @@ SPLIT_TUNING = {"block_n": 128, "num_warps": 8, "num_stages": 1, "prefetch": Tru
                 "no_licm": True, "ws": True}
 # the split kernel for codes wider than TILE_WIDTH (kernels._fsq_wide): positions per step
 # and code coordinates per tile (H100, one process, 12x, CUDA graph, every setting checked
-# first, bench/results/fsq_wide_sweep.json: 128 positions by 64 coordinates at 8 warps 21%
+# first, bench/results/fsq_kernels_wide.json: 128 positions by 64 coordinates at 8 warps 21%
 # faster than 64 x 64 at batch 8, 32K and 7% at batch 1, though it spills 400 bytes per
 # thread; 128-coordinate tiles and 4 warps slower)
 WIDE_TUNING = {"block_n": 128, "tile": 64}
