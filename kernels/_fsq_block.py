@@ -15,15 +15,23 @@ RADIX_MASK = tl.constexpr((1 << ROPE_RADIX_BITS) - 1)
 
 
 @triton.jit
-def _load_rows(rows, n_ok, NBYTES: tl.constexpr, BLOCK_B: tl.constexpr, FIRST: tl.constexpr = 0):
-    """Bytes ``[FIRST, FIRST + BLOCK_B)`` of the packed rows at ``rows`` ``(BLOCK_N,)``:
-    ``(BLOCK_N, BLOCK_B)`` uint8, zero past a row or a masked position."""
-    j = FIRST + tl.arange(0, BLOCK_B)
-    if FIRST + BLOCK_B <= NBYTES:  # whole bytes: a mask constant along the row keeps the
-        # loads wide
-        return tl.load(rows[:, None] + j[None, :], mask=n_ok[:, None], other=0)
+def _row_bytes(rows, n_ok, first, NBYTES: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Bytes ``[first, first + BLOCK_B)`` of the packed rows at ``rows`` ``(BLOCK_N,)``:
+    ``(BLOCK_N, BLOCK_B)`` uint8, zero past a row or a masked position (``first`` may be a
+    loop variable)."""
+    j = first + tl.arange(0, BLOCK_B)
     return tl.load(rows[:, None] + j[None, :], mask=n_ok[:, None] & (j < NBYTES)[None, :],
                    other=0)
+
+
+@triton.jit
+def _load_rows(rows, n_ok, NBYTES: tl.constexpr, BLOCK_B: tl.constexpr, FIRST: tl.constexpr = 0):
+    """:func:`_row_bytes` at a constant first byte: where the bytes lie within every row, the
+    mask is constant along the row, which keeps the loads wide."""
+    if FIRST + BLOCK_B <= NBYTES:
+        j = FIRST + tl.arange(0, BLOCK_B)
+        return tl.load(rows[:, None] + j[None, :], mask=n_ok[:, None], other=0)
+    return _row_bytes(rows, n_ok, FIRST, NBYTES, BLOCK_B)
 
 
 @triton.jit

@@ -30,6 +30,7 @@ from kernels._fsq_block import (
     _load_rows,
     _mm,
     _program_split,
+    _row_bytes,
     _unpack,
 )
 
@@ -40,15 +41,6 @@ def _zero_tiles(TILES: tl.constexpr, BLOCK_M: tl.constexpr, TILE_W: tl.constexpr
     for _ in tl.static_range(TILES):
         tiles = tiles + (tl.zeros([BLOCK_M, TILE_W], tl.float32),)
     return tiles
-
-
-@triton.jit
-def _tile_bytes(rows, n_ok, first, NBYTES: tl.constexpr, TILE_B: tl.constexpr):
-    """Bytes ``[first, first + TILE_B)`` of the packed rows at ``rows`` ``(BLOCK_N,)``:
-    ``(BLOCK_N, TILE_B)`` uint8, zero past a row or a masked position."""
-    j = first + tl.arange(0, TILE_B)
-    return tl.load(rows[:, None] + j[None, :], mask=n_ok[:, None] & (j < NBYTES)[None, :],
-                   other=0)
 
 
 @triton.jit
@@ -84,7 +76,7 @@ def _split_kernel_wide(q_ptr, codes_ptr, pos_ptr, alen_ptr, slen_ptr, kd_ptr, kb
             k1 = tl.broadcast_to(b1[None, :], (BLOCK_N, BLOCK_H))
             k2 = tl.broadcast_to(b2[None, :], (BLOCK_N, BLOCK_H))
             for t in tl.range(0, TILES, disable_licm=NO_LICM):
-                z = _unpack(_tile_bytes(rows, n_ok, t * TILE_B, NBYTES, TILE_B), BITS, SUBS,
+                z = _unpack(_row_bytes(rows, n_ok, t * TILE_B, NBYTES, TILE_B), BITS, SUBS,
                             BLOCK_N, TILE_B, CODE_T)
                 c = t * TILE_W + tl.arange(0, TILE_W)
                 dec1, dec2 = _decoder_halves(kd_ptr, kvh, kd_sh, kd_sd, kd_sw, c, c < WIDTH,
