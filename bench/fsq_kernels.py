@@ -472,32 +472,50 @@ def merge_sweep(points=((1, 32768), (1, 131072), (8, 32768), (8, 131072)),
 
 
 def eager_calls(points=((1, 4096), (1, 32768), (8, 32768))):
-    """Host-side cost of one call (batch 1, and batch 8 at 32K): eager time (launches from
-    Python, ``do_bench``) of the validated call, of the trusted per-step path
-    (``decode_fsq_problem`` on a problem validated once, lengths and positions not read back)
-    and of SDPA's eager call, beside the kernel's CUDA-graph time."""
+    """Host-side cost of one call (batch 1, and batch 8 at 32K): eager time (``do_bench``) of
+    the validated call, of the trusted per-step path (``decode_fsq_problem`` on a problem
+    validated once, lengths and positions not read back), of that path replayed from a
+    captured CUDA graph (``kernels.CapturedCall``: copy in, replay, copy out, as a static
+    cache's eager step runs it) and of SDPA's eager call, launched and captured the same way,
+    beside the kernel's CUDA-graph time."""
+    import dataclasses
+
     import torch
     import torch.nn.functional as F
 
-    from kernels import decode_fsq_problem, fsq_decode_attention, validate_fsq_args
+    from kernels import CapturedCall, decode_fsq_problem, fsq_decode_attention, validate_fsq_args
 
     rows = []
-    for name, shape, width, levels in CONFIGS[1:3]:
+    for name, shape, width, levels in CONFIGS[1:]:
         for batch, context in points:
-            case = fsq_case(shape, width, levels, context, batch, True)
+            case = fsq_case(shape, width, levels, context, batch, name.startswith("qwen3"))
             problem = validate_fsq_args(**case, check_codes=False)
             trusted = functools.partial(decode_fsq_problem, problem)
+            captured = CapturedCall(
+                lambda q, problem=problem: decode_fsq_problem(dataclasses.replace(problem,
+                                                                                  query=q)),
+                problem.query)
             hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
-            q = case["query"].to(torch.float16)[:, :, None, :]
+            q = case["query"].to(torch.float16)
             k = torch.randn(batch, hkv, context, d, device="cuda", dtype=torch.float16)
-            sdpa = functools.partial(F.scaled_dot_product_attention, q, k, torch.randn_like(k),
-                                     enable_gqa=hq != hkv)
+            v = torch.randn_like(k)
+
+            def sdpa(query, k=k, v=v, gqa=hq != hkv):
+                return F.scaled_dot_product_attention(query[:, :, None], k, v, enable_gqa=gqa)
+
+            sdpa_captured = CapturedCall(sdpa, q)
             row = {"config": name, "batch": batch, "context": context,
                    "validated_ms": time_ms(functools.partial(fsq_decode_attention, **case,
                                                              check_codes=False), graph=False),
                    "trusted_ms": time_ms(trusted, graph=False),
+                   "captured_ms": time_ms(functools.partial(captured, problem.query),
+                                          graph=False),
                    "graph_ms": time_ms(trusted, graph=True),
-                   "sdpa_ms": time_ms(sdpa, graph=False)}
+                   "sdpa_ms": time_ms(functools.partial(sdpa, q), graph=False),
+                   "sdpa_captured_ms": time_ms(functools.partial(sdpa_captured, q),
+                                               graph=False)}
+            if batch == 1 and context == points[1][1]:  # the captured call matches the launched
+                torch.testing.assert_close(captured(problem.query), trusted(), rtol=0, atol=0)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -550,6 +568,7 @@ def plot(data, figure: Path):
     batches = sorted({r["batch"] for r in data["rows"]})
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
     for ax, batch in zip(axes[0], batches, strict=True):
+        models = set()  # SDPA and RVQ once per model shape (the same for its configs)
         for name in [c[0] for c in CONFIGS]:
             rows = [r for r in data["rows"] if r["config"] == name and r["batch"] == batch
                     and r.get("fsq_graph_ms")]
@@ -557,11 +576,16 @@ def plot(data, figure: Path):
                 continue
             ctx = [r["context"] for r in rows]
             ax.plot(ctx, [r["fsq_graph_ms"] for r in rows], "o-", label=f"FSQ {name}")
-            ax.plot(ctx, [r["sdpa_graph_ms"] for r in rows], "k--", alpha=0.5,
-                    label=f"SDPA dense ({name.split()[0]})")
+            model = name.split()[0]
+            if model in models:
+                continue
+            models.add(model)
+            style = "k" if model.startswith("qwen3") else "0.5"
+            ax.plot(ctx, [r["sdpa_graph_ms"] for r in rows], "--", color=style,
+                    label=f"SDPA dense ({model})")
             rvq = [(r["context"], r["rvq_graph_ms"]) for r in rows if r.get("rvq_graph_ms")]
             if rvq:
-                ax.plot(*zip(*rvq, strict=True), "x:", label=f"RVQ 4+2 ({name.split()[0]})")
+                ax.plot(*zip(*rvq, strict=True), "x:", color=style, label=f"RVQ 4+2 ({model})")
         ax.set(xscale="log", yscale="log", xlabel="context", ylabel="ms per call (CUDA graph)",
                title=f"batch {batch}")
         ax.grid(alpha=0.3)
