@@ -14,7 +14,14 @@ and batch, in the same process, every path decodes ``--steps`` tokens:
   layer's kernel call replayed from a captured CUDA graph, ``kernels.CapturedCall``);
 - ``codes-eager-launched``: the same with ``capture_eager_steps = False`` (the kernels launched
   from Python every step);
-- ``codes-compiled``: the same cache, the forward compiled like ``static-compiled``.
+- ``codes-compiled``: the same cache, the forward compiled like ``static-compiled``;
+- with ``--fsq SPEC`` (e.g. ``fsq-w84-L16``, 97.5x at these shapes), the same model converted
+  to FSQ codes (``convert_to_fsq``, calibrated on the weights alone) and its ``FSQCache``
+  filled with random codes: ``fsq-eager`` (``capacity=...``: each layer's kernel call
+  replayed from a captured CUDA graph), ``fsq-eager-launched`` (the same cache with
+  ``capture_eager_steps = False``: the validated kernel call launched every step) and
+  ``fsq-growing`` (no capacity: the codes grow by concatenation, the validated call every
+  step).
 
 Compiled paths run only at ``--compiled-points`` (compiling is most of their cost here).
 Reported per path: tokens/s, wall time per step, host time per step (one step's Python call
@@ -50,6 +57,7 @@ from model_adapters.models import cache_kwarg, kv_shape  # noqa: E402
 from model_adapters.quant.quantizer import KVQuantizer  # noqa: E402
 
 EAGER = ("dynamic-sdpa", "dynamic-flash", "codes-eager", "codes-eager-launched")
+FSQ_EAGER = ("fsq-eager", "fsq-eager-launched", "fsq-growing")
 COMPILED = ("static-compiled", "codes-compiled")
 SINKS, RECENT = 4, 32
 
@@ -86,6 +94,13 @@ def fill(cache, shape, batch, n, device, dtype, chunk=8192):
     (StaticCache: written into its buffers, which every transformers 5.x reads the same way)."""
     from transformers import StaticCache
 
+    if hasattr(cache, "fsq_attention"):  # FSQCache: random codes, positions 0 .. n - 1
+        g = torch.Generator(device=device).manual_seed(0)
+        width, levels = len(cache.fsq.levels), max(cache.fsq.levels)
+        codes = [torch.randint(0, levels, (batch, n, width), generator=g, device=device)
+                 for _ in cache.layers]
+        cache.load(codes, torch.arange(n, device=device).expand(batch, n))
+        return
     for a in range(0, n, chunk):
         m = min(chunk, n - a)
         for li in range(shape.num_layers):
@@ -147,6 +162,8 @@ def tensor_bytes(tensors) -> int:
 def cache_bytes(cache) -> int:
     if isinstance(cache, CodesOnlyCache):
         return cache.live_bytes()["total"]
+    if hasattr(cache, "fsq_attention"):
+        return cache.nbytes()
     return tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values)
                         if t is not None)
 
@@ -158,6 +175,10 @@ def read_bytes(path, cache, shape, batch, n, capacity) -> int:
         return batch * n * per_token
     if path == "static-compiled":
         return batch * capacity * per_token  # SDPA reads the whole buffer (masked)
+    if path.startswith("fsq"):  # the packed codes, the positions and the decoders
+        decoders = shape.num_layers * 2 * shape.kv_heads * shape.head_dim * len(
+            cache.fsq.levels) * 4
+        return batch * n * (shape.num_layers * cache.packed_bytes + 8) + decoders
     q = cache.quantizer
     per_code = shape.num_layers * shape.kv_heads * (q.key_stages + q.value_stages)
     books = 2 * (q.key_codebooks.numel() + q.value_codebooks.numel()) * 4  # attend + quantize
@@ -236,12 +257,20 @@ def make_cache(path, model, q, capacity):
         return DynamicCache(config=model.config)
     if path == "static-compiled":
         return StaticCache(config=model.config, max_cache_len=capacity)
+    if path.startswith("fsq"):
+        from model_adapters.caches.fsq_cache import FSQCache
+
+        cache = FSQCache(model, capacity=None if path == "fsq-growing" else capacity)
+        cache.capture_eager_steps = path == "fsq-eager"
+        return cache
     cache = CodesOnlyCache(model, q, sinks=SINKS, recent=RECENT, capacity=capacity)
     cache.capture_eager_steps = path != "codes-eager-launched"
     return cache
 
 
 def set_attention(model, path):
+    if path.startswith("fsq"):  # (the converted model attends through its cache)
+        return
     if path.startswith("codes"):
         use_codes_attention(model)
     else:
@@ -512,6 +541,9 @@ def main(argv=None):
                         metavar=("SHORT", "LONG"),
                         help="generate's tokens/s is the time of a LONG run less a SHORT one")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--fsq", metavar="SPEC",
+                        help="also the FSQ-converted model's paths (fsq-eager, "
+                             "fsq-eager-launched, fsq-growing), e.g. fsq-w84-L16")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--budget-gib", type=float, default=16.0)
     parser.add_argument("--budget-batch", type=int, default=8)
@@ -538,6 +570,11 @@ def main(argv=None):
     model = qwen3_8b_shapes(args.layers, device, dtype, **size)
     shape = kv_shape(model)
     q = random_quantizer(model, device)
+    fsq_model = None
+    if args.fsq:
+        from model_adapters.quant.fsq_convert import convert_to_fsq
+
+        fsq_model = convert_to_fsq(model, args.fsq)
     bw = copy_bandwidth(device)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     report = {"machine": machine(), "gpu": gpu, "args": vars(args),
@@ -564,12 +601,14 @@ def main(argv=None):
         # the compiled points (the targets) first: a deadline skips the others
         points.sort(key=lambda p: p not in compiled_points)
         for n, batch in points:
-            for path in EAGER + (COMPILED if (n, batch) in compiled_points else ()):
+            for path in (EAGER + (FSQ_EAGER if fsq_model is not None else ())
+                         + (COMPILED if (n, batch) in compiled_points else ())):
                 if late():
                     grid.append({"path": path, "context": n, "batch": batch,
                                  "error": "skipped (out of time)"})
                     continue
-                grid.append(run_path(path, model, q, shape, batch, n, args, device, dtype, bw))
+                grid.append(run_path(path, fsq_model if path.startswith("fsq") else model, q,
+                                     shape, batch, n, args, device, dtype, bw))
                 save()
     if "generate" not in args.skip:
         report["generate"] = []
@@ -609,7 +648,7 @@ def print_tables(report: dict) -> None:
     rows = report.get("rows", [])
     best = {}
     for r in rows:
-        if not r["path"].startswith("codes") and "tok_s" in r:
+        if not r["path"].startswith(("codes", "fsq")) and "tok_s" in r:
             key = (r["context"], r["batch"])
             best[key] = max(best.get(key, 0.0), r["tok_s"])
     for r in rows:

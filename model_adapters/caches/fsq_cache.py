@@ -33,17 +33,21 @@ frequencies are theta's (float32), else ``(cos, sin)`` tables of the model's fre
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+import kernels
 from kernels import fsq_decode_attention
+from model_adapters.caches.static_codes import CapacityError
 from model_adapters.caches.window import crop_target
 from model_adapters.quant.fsq import FSQ
 from model_adapters.quant.fsq_config import fsq_spec
 from model_adapters.quant.fsq_model import attention_layers
 
-__all__ = ["FSQCache", "FsqLayer", "decode_keys", "decode_values", "fsq_torch_attention",
-           "rope_angles", "rotary_embedding"]
+__all__ = ["CapacityError", "FSQCache", "FsqLayer", "StaticFsqLayer", "decode_keys",
+           "decode_values", "fsq_torch_attention", "rope_angles", "rotary_embedding"]
 
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -85,6 +89,104 @@ class FsqLayer(DynamicLayer):
         if self.is_initialized and keep < self.get_seq_length():
             self.keys = self.keys[..., :keep, :]
             self.values = self.values[..., :keep, :]
+
+
+
+class StaticFsqLayer(FsqLayer):
+    """One layer's packed codes in buffers allocated once for ``capacity`` positions (the
+    layer of :class:`FSQCache` built with ``capacity=N``): ``keys`` ``(batch, 1, capacity,
+    packed_bytes)`` uint8, ``values`` the positions ``(batch, 1, capacity, 1)`` int64 (or an
+    empty placeholder), ``lengths`` the host length as a ``(batch,)`` int32 tensor on the
+    buffers' device. Appends write in place, so the buffers keep their address from step to
+    step and a decode step's kernel call can be captured once and replayed (the kernel reads
+    ``lengths`` on the GPU: nothing is read back)."""
+
+    is_compileable = False  # (the captured kernel call runs outside torch.compile)
+
+    def __init__(self, capacity: int, keeps_positions: bool = False):
+        super().__init__(keeps_positions)
+        self.capacity = capacity
+        self.length = 0
+        self.lengths: torch.Tensor | None = None
+        self.visible: bool | None = None  # decode steps see every position (checked once)
+
+    def append(self, packed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Write ``(batch, n, packed_bytes)`` codes at ``(batch, n)`` positions after the
+        current length; returns the rows in use, a view ``(batch, length, packed_bytes)``.
+        Past the capacity: :class:`CapacityError`; a prompt (``n > 1``) with a position at or
+        past the capacity (outside the kernel's rotation tables): ``ValueError``. Either way
+        nothing is written."""
+        batch, n = packed.shape[:2]
+        if self.length + n > self.capacity:
+            raise CapacityError(f"FSQCache(capacity={self.capacity}) holds {self.length} "
+                                f"positions; {n} more do not fit")
+        if n > 1 and int(positions.max()) >= self.capacity:  # (one read-back per prompt)
+            raise ValueError(f"FSQCache(capacity={self.capacity}) rotates keys by tables of "
+                             f"{self.capacity} positions; got position {int(positions.max())}")
+        if not self.is_initialized:
+            self.device = packed.device
+            self.keys = packed.new_zeros(batch, 1, self.capacity, packed.shape[2])
+            self.values = positions.new_zeros(batch, 1, self.capacity,
+                                              1 if self.keeps_positions else 0)
+            self.lengths = torch.zeros(batch, dtype=torch.int32, device=packed.device)
+            self.is_initialized = True
+        if self.keys.shape[0] != batch:
+            raise ValueError(f"this FSQCache holds a batch of {self.keys.shape[0]}, got codes "
+                             f"for {batch}")
+        end = self.length + n
+        self.keys[:, 0, self.length:end] = packed
+        if self.keeps_positions:
+            self.values[:, 0, self.length:end, 0] = positions
+        self._set_length(end)
+        if n > 1:
+            self.visible = None  # a new prompt: its first decode step checks the mask again
+        return self.keys[:, 0, :end]
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.lengths.fill_(length)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def positions(self) -> torch.Tensor:
+        return self.values[:, 0, :self.length, 0]
+
+    def codes(self) -> torch.Tensor | None:
+        return None if not self.is_initialized or self.length == 0 else \
+            self.keys[:, 0, :self.length]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        keep = crop_target(tokens_to_remove, self.length)
+        if self.is_initialized and keep < self.length:
+            self._set_length(keep)
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self._set_length(0)
+        self.visible = None
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """In place (the buffers keep their address)."""
+        if self.is_initialized:
+            beam_idx = beam_idx.to(self.keys.device)
+            self.keys.copy_(self.keys.index_select(0, beam_idx))
+            self.values.copy_(self.values.index_select(0, beam_idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.keys = self.keys.repeat_interleave(repeats, dim=0)
+            self.values = self.values.repeat_interleave(repeats, dim=0)
+            self.lengths = self.lengths.new_full((self.keys.shape[0],), self.length)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys = self.keys[indices]
+            self.values = self.values[indices]
+            self.lengths = self.lengths.new_full((self.keys.shape[0],), self.length)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -218,14 +320,32 @@ class FSQCache(Cache):
         backend: ``"auto"`` (the Triton kernel for CUDA float16/bfloat16 decode steps it takes,
             else torch), ``"torch"``, or ``"triton"`` (the kernel for every decode step without
             masked positions; ValueError from the kernel where it cannot).
+        capacity: the most positions the cache will hold, or None (grow as needed). With a
+            capacity every layer's codes (and the positions) are allocated once at that size
+            (:class:`StaticFsqLayer`) and, on CUDA, each layer's decode-step kernel call is
+            captured in a CUDA graph on its first step and replayed on the next ones
+            (:class:`kernels.CapturedCall`: no argument checks, launches or read-backs per
+            step; set ``capture_eager_steps = False`` to launch instead). Past the capacity:
+            :class:`CapacityError` before anything is written. The mask of a batch is checked
+            once per prompt (a padded batch runs torch), and a prompt's positions must lie below
+            the capacity (checked once per prompt; decode steps' positions are not checked,
+            and generate's never pass it).
     """
 
-    def __init__(self, model, *, backend: str = "auto"):
+    def __init__(self, model, *, backend: str = "auto", capacity: int | None = None):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                     or capacity < 1):
+            raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
         width, levels, _ = fsq_spec(model.config)
         n_layers = len(attention_layers(model))
-        super().__init__(layers=[FsqLayer(keeps_positions=i == 0) for i in range(n_layers)])
+        layers = [FsqLayer(keeps_positions=i == 0) if capacity is None
+                  else StaticFsqLayer(capacity, keeps_positions=i == 0) for i in range(n_layers)]
+        super().__init__(layers=layers)
+        self.capacity = capacity
+        self.capture_eager_steps = True
+        self._captured: dict = {}  # layer index -> (key, kernels.CapturedCall)
         self.fsq = FSQ(levels)
         self.backend = backend
         self.rotary = rotary_embedding(model)
@@ -239,7 +359,8 @@ class FSQCache(Cache):
         return self.fsq.packed_bytes
 
     def nbytes(self) -> int:
-        """Bytes the cache holds: every layer's packed codes, and the positions once."""
+        """Bytes the cache holds: every layer's packed codes, and the positions once (with a
+        capacity: the buffers allocated at that size)."""
         return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers
                    if layer.is_initialized and layer.keys is not None)
 
@@ -271,20 +392,26 @@ class FSQCache(Cache):
             start = layer.get_seq_length()
             position_ids = torch.arange(start, start + n, device=codes.device)
         position_ids = position_ids.to(codes.device, torch.long).expand(batch, n)
+        static = isinstance(layer, StaticFsqLayer)
         packed = layer.append(self.fsq.pack(codes), position_ids)
         positions = self.layers[0].positions()
-        folded, k_norm, eps, rope = self._decoding(module)
         step = query.shape[2] == 1
         if step and self.backend != "torch" and query.dtype in (torch.float16, torch.bfloat16) \
-                and (query.is_cuda or self.backend == "triton") and _all_visible(attention_mask):
+                and (query.is_cuda or self.backend == "triton") \
+                and self._visible(layer, attention_mask):
             self.kernel_calls += 1
+            q = query[:, :, 0]
+            if static and self._captures(q):
+                return self._captured_step(module, layer, q)(q)[:, None]
+            folded, k_norm, eps, rope = self._decoding(module)
+            kernel_rope = self._rope_for_kernel(module, rope, positions)
             out = fsq_decode_attention(
-                query[:, :, 0], packed, self.fsq.levels, folded[0], folded[2],
-                key_bias=folded[1], value_bias=folded[3],
-                rope=self._rope_for_kernel(module, rope, positions),
+                q, packed, self.fsq.levels, folded[0], folded[2],
+                key_bias=folded[1], value_bias=folded[3], rope=kernel_rope,
                 positions=positions if rope is not None else None, k_norm=k_norm, norm_eps=eps,
                 scale=module.scaling, backend=self.backend)
             return out[:, None]
+        folded, k_norm, eps, rope = self._decoding(module)
         return fsq_torch_attention(query, self.fsq.unpack(packed), folded, scale=module.scaling,
                                    k_norm=k_norm, norm_eps=eps, rope=rope, positions=positions,
                                    mask=attention_mask)
@@ -300,6 +427,56 @@ class FSQCache(Cache):
         if rope is not None and self.rotary is not None:
             rope = self.rotary.inv_freq  # what rotated the query: bf16 after model.to(bf16)
         return folded, k_norm, eps, rope
+
+    @staticmethod
+    def _visible(layer, mask) -> bool:
+        """Whether a decode step's mask hides nothing; a capacity layer asks once per prompt
+        (one read-back), then trusts the answer for the prompt's decode steps."""
+        if not isinstance(layer, StaticFsqLayer):
+            return _all_visible(mask)
+        if layer.visible is None:
+            layer.visible = _all_visible(mask)
+        return layer.visible
+
+    def _captures(self, q: torch.Tensor) -> bool:
+        """Whether a capacity layer's decode step replays a captured kernel call (CUDA, outside
+        torch.compile and outside a capture of the caller's own)."""
+        return (self.capture_eager_steps and q.is_cuda and not torch.compiler.is_compiling()
+                and not torch.cuda.is_current_stream_capturing())
+
+    def _captured_step(self, module, layer: StaticFsqLayer,
+                       q: torch.Tensor) -> kernels.CapturedCall:
+        """The layer's decode-step kernel call, checked once and captured once per query
+        shape, scale, buffer addresses and decoder weights (a buffer that moved or new weights
+        get a new capture; the folded decoders are computed at the capture). It reads the
+        codes and positions where the layers keep them and the length from ``layer.lengths``,
+        all on the GPU."""
+        weights = (module.fsq.key_decoder.weight, module.fsq.value_decoder.weight)
+        rotary = self.rotary.inv_freq if self.rotary is not None else None
+        key = (tuple(q.shape), q.dtype, float(module.scaling), layer.keys.data_ptr(),
+               self.layers[0].values.data_ptr(), layer.lengths.data_ptr(),
+               *((w.data_ptr(), w._version) for w in weights),
+               None if rotary is None else (rotary.data_ptr(), rotary._version))
+        held = self._captured.get(module.layer_idx)
+        if held is not None and held[0] == key:
+            return held[1]
+        folded, k_norm, eps, rope = self._decoding(module)
+        kernel_rope = self._rope_for_kernel(module, rope, None, layer.capacity)
+        positions = self.layers[0].values[:, 0, :, 0]
+        problem = kernels.validate_fsq_args(
+            q, layer.keys[:, 0], self.fsq.levels, folded[0], folded[2], key_bias=folded[1],
+            value_bias=folded[3], rope=kernel_rope,
+            positions=positions if rope is not None else None, k_norm=k_norm, norm_eps=eps,
+            archived_lengths=layer.lengths, scale=module.scaling, check_codes=False,
+            check_lengths=False, check_positions=False)
+        backend = self.backend
+
+        def step(query: torch.Tensor) -> torch.Tensor:
+            return kernels.decode_fsq_problem(replace(problem, query=query), backend=backend)
+
+        captured = kernels.CapturedCall(step, q)
+        self._captured[module.layer_idx] = (key, captured)
+        return captured
 
     @torch.no_grad()
     def decode(self, module, codes: torch.Tensor,
@@ -323,12 +500,14 @@ class FSQCache(Cache):
         for layer, codes in zip(self.layers, layer_codes, strict=True):
             layer.append(self.fsq.pack(codes), positions.to(codes.device, torch.long))
 
-    def _rope_for_kernel(self, module, rope, positions: torch.Tensor):
+    def _rope_for_kernel(self, module, rope, positions: torch.Tensor | None,
+                         top: int | None = None):
         """The kernel's ``rope``: the layer's theta when the model's inverse frequencies are
         theta's (float32, as transformers computes them; the kernel's angles are then exact),
         else ``(cos, sin)`` tables from the model's own frequencies (e.g. rounded to bfloat16
         by ``model.to(torch.bfloat16)``) covering every cached position (one read-back of the
-        largest position per step; the tables are kept and grow by doubling)."""
+        largest position per step, unless ``top``, the positions' bound, is given; the tables
+        are kept and grow by doubling)."""
         if not isinstance(rope, torch.Tensor):
             return rope
         theta, dim = module.fsq_rope_theta, 2 * rope.shape[0]
@@ -341,7 +520,7 @@ class FSQCache(Cache):
             self._kernel_rope = (key, theta if exact else ())
         if self._kernel_rope[1] != ():
             return self._kernel_rope[1]
-        top = int(positions.max()) + 1
+        top = int(positions.max()) + 1 if top is None else top
         tables = self._kernel_tables
         if tables is None or tables[0] != key or tables[1].shape[0] < top:
             size = 1 << max(10, (top - 1).bit_length())

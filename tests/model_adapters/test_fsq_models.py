@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
-from model_adapters.caches.fsq_cache import FSQCache, fsq_torch_attention
+from model_adapters.caches.fsq_cache import CapacityError, FSQCache, fsq_torch_attention
 from model_adapters.experiments.needles import needle_item, training_batches
 from model_adapters.models import cache_kwarg
 from model_adapters.quant.fsq_convert import convert_to_fsq, load_bottleneck, save_bottleneck
@@ -92,17 +92,20 @@ def _through_cache(model, cache, ids, cuts):
     return torch.cat(pieces, 1)
 
 
+@pytest.mark.parametrize("capacity", [None, 30])
 @pytest.mark.parametrize("spec", ["fsq-w8-L16", "fsq-w12-L5"])
-def test_fsq_cache_logits_match_the_models_own_forward(spec):
+def test_fsq_cache_logits_match_the_models_own_forward(spec, capacity):
     for make in BASES.values():
         model = convert_to_fsq(make(), spec, IDS)
         with torch.no_grad():
             full = model(IDS).logits
-        cache = FSQCache(model)
+        cache = FSQCache(model, capacity=capacity)
         got = _through_cache(model, cache, IDS, [10, 17, *range(18, 24)])
         assert torch.allclose(got, full, atol=1e-5, rtol=1e-4)
-        # packed codes (batch x layers x tokens x packed bytes) and the positions once
-        assert cache.nbytes() == 2 * 2 * 24 * cache.packed_bytes + 2 * 24 * 8
+        # packed codes (batch x layers x tokens x packed bytes) and the positions once; with a
+        # capacity the buffers of that size
+        rows = capacity or 24
+        assert cache.nbytes() == 2 * 2 * rows * cache.packed_bytes + 2 * rows * 8
         assert torch.equal(cache.layer_codes(0), bottlenecks(model)[0].codes(
             model.get_input_embeddings()(IDS) * 0 + _layer0_input(model, IDS)))
 
@@ -158,30 +161,34 @@ def test_pooled_codes_equal_attention_over_decoded_values(gqa):
     assert torch.allclose(got, ref.transpose(1, 2), atol=1e-5)
 
 
-def test_generate_with_fsq_cache_equals_dynamic_cache(converted):
+@pytest.mark.parametrize("capacity", [None, 13])
+def test_generate_with_fsq_cache_equals_dynamic_cache(converted, capacity):
     _, model = converted
     kw = cache_kwarg(model)
-    out = model.generate(IDS[:1, :5], max_new_tokens=8, do_sample=False, **{kw: FSQCache(model)})
+    out = model.generate(IDS[:1, :5], max_new_tokens=8, do_sample=False,
+                         **{kw: FSQCache(model, capacity=capacity)})
     ref = model.generate(IDS[:1, :5], max_new_tokens=8, do_sample=False,
                          **{kw: DynamicCache(config=model.config)})
     assert out.shape == (1, 13) and torch.equal(out, ref)
 
 
-def test_left_padded_batch_generates_as_the_dense_cache(converted):
+@pytest.mark.parametrize("capacity", [None, 15])
+def test_left_padded_batch_generates_as_the_dense_cache(converted, capacity):
     _, model = converted
     kw = cache_kwarg(model)
     ids = IDS[:, :9].clone()
     mask = torch.ones_like(ids)
     ids[0, :3], mask[0, :3] = 2, 0  # three pads on the left of the first prompt
     args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2)
-    out = model.generate(ids, **args, **{kw: FSQCache(model)})
+    out = model.generate(ids, **args, **{kw: FSQCache(model, capacity=capacity)})
     ref = model.generate(ids, **args, **{kw: DynamicCache(config=model.config)})
     assert torch.equal(out, ref)
 
 
-def test_cache_crop_and_batch_operations():
+@pytest.mark.parametrize("capacity", [None, 24])
+def test_cache_crop_and_batch_operations(capacity):
     model = _QWEN
-    cache = FSQCache(model)
+    cache = FSQCache(model, capacity=capacity)
     _through_cache(model, cache, IDS, [])
     before = cache.layer_codes(1)
     cache.crop(-4)
@@ -198,6 +205,43 @@ def test_cache_crop_and_batch_operations():
         FSQCache(model, backend="cuda")
     with pytest.raises(ValueError, match="not an FSQ-converted"):
         FSQCache(qwen3())
+    if capacity is not None:  # reordered in place: a captured kernel call still reads it
+        assert cache.layers[1].keys.shape[2] == capacity
+        address = cache.layers[1].keys.data_ptr()
+        cache.reorder_cache(torch.tensor([1, 1]))
+        assert cache.layers[1].keys.data_ptr() == address
+        assert torch.equal(cache.layer_codes(1), before[[0, 0], :18])
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "64"])
+def test_capacity_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match=f"capacity must be a positive int or None, got "
+                                         f"{bad!r}"):
+        FSQCache(_QWEN, capacity=bad)
+
+
+def test_past_the_capacity_nothing_is_written():
+    model = _QWEN
+    cache = FSQCache(model, capacity=20)
+    _through_cache(model, cache, IDS[:, :18], [])
+    before = [cache.layer_codes(i).clone() for i in range(2)]
+    with pytest.raises(CapacityError, match=r"capacity=20\) holds 18 positions; 3 more"):
+        _through_cache(model, cache, IDS[:, 18:21], [])
+    assert cache.get_seq_length() == 18
+    assert all(torch.equal(cache.layer_codes(i), before[i]) for i in range(2))
+    _through_cache(model, cache, IDS[:, 18:20], [])  # what fits still goes in
+    assert cache.get_seq_length() == 20
+
+
+def test_a_prompt_past_the_capacity_positions_is_refused():
+    model = _QWEN
+    kw = cache_kwarg(model)
+    cache = FSQCache(model, capacity=20)
+    with torch.no_grad(), pytest.raises(ValueError, match="tables of 20 positions; got "
+                                                          "position 21"):
+        model(IDS[:, :4], position_ids=torch.arange(18, 22)[None], use_cache=True,
+              **{kw: cache})
+    assert cache.get_seq_length() == 0
 
 
 def test_auto_classes_load_a_saved_model_in_a_fresh_process(tmp_path, converted):
