@@ -91,7 +91,6 @@ class FsqLayer(DynamicLayer):
             self.values = self.values[..., :keep, :]
 
 
-
 class StaticFsqLayer(FsqLayer):
     """One layer's packed codes in buffers allocated once for ``capacity`` positions (the
     layer of :class:`FSQCache` built with ``capacity=N``): ``keys`` ``(batch, 1, capacity,
