@@ -115,6 +115,18 @@ def uniform_bits(levels: tuple[int, ...]) -> int | None:
 
 
 @dataclass(frozen=True)
+class RopeFrequencies:
+    """RoPE at given inverse frequencies, ``head_dim / 2`` positive floats (a model's own
+    ``inv_freq``, e.g. rounded to bfloat16 by ``model.to(torch.bfloat16)``, read back once).
+    The kernel treats them as it treats a theta's: angles ``pos * inv_freq`` reduced exactly
+    in float64 tables (``theta_tables``), exact to float32 below position 2^22, no table of
+    positions to grow, and the warp-specialized kernel takes them. Hashable: the tables are
+    cached per value."""
+
+    inv_freq: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class FsqProblem:
     """One validated decode call over packed FSQ codes (every length filled in).
 
@@ -536,25 +548,30 @@ def scratch_bytes(problem: FsqProblem, splits: int) -> int:
 _TABLES: dict = {}
 
 
-def inverse_frequencies(theta: float, head_dim: int, device) -> torch.Tensor:
-    """``theta ** (-2i / head_dim)`` for ``i < head_dim / 2``, float64."""
+def inverse_frequencies(rope: float | RopeFrequencies, head_dim: int, device) -> torch.Tensor:
+    """``(head_dim / 2,)`` float64: ``theta ** (-2i / head_dim)`` for a theta, or the given
+    :class:`RopeFrequencies`."""
+    if isinstance(rope, RopeFrequencies):
+        return torch.tensor(rope.inv_freq, dtype=torch.float64, device=device)
     i = torch.arange(head_dim // 2, dtype=torch.float64, device=device)
-    return torch.pow(torch.tensor(float(theta), dtype=torch.float64, device=device),
+    return torch.pow(torch.tensor(float(rope), dtype=torch.float64, device=device),
                      -2.0 * i / head_dim)
 
 
-def theta_tables(theta: float, head_dim: int, device) -> tuple[torch.Tensor, ...]:
+def theta_tables(rope: float | RopeFrequencies, head_dim: int,
+                 device) -> tuple[torch.Tensor, ...]:
     """``(cos_lo, sin_lo, cos_hi, sin_hi)``, each ``(2^11, head_dim / 2)`` float32: the angles
     ``lo * inv_freq`` and ``hi * 2^11 * inv_freq`` computed in float64 (reduced exactly
     before rounding), for the angle-sum formula the kernel applies at ``pos = hi * 2^11 + lo``
     (positions below ``MAX_THETA_POSITION``). 64 KB each at head_dim 128: they stay in L2.
-    Cached per (theta, head_dim, device); computed on the device (no host copy, so a first
-    call inside a CUDA-graph capture works, and is then not cached)."""
+    Cached per (theta or frequencies, head_dim, device); computed on the device (for a
+    theta no host copy, so a first call inside a CUDA-graph capture works, and is then not
+    cached)."""
     device = torch.device(device)
-    key = (float(theta), head_dim, device)
+    key = (rope if isinstance(rope, RopeFrequencies) else float(rope), head_dim, device)
     tables = _TABLES.get(key)
     if tables is None:
-        inv = inverse_frequencies(theta, head_dim, device)
+        inv = inverse_frequencies(rope, head_dim, device)
         steps = torch.arange(1 << ROPE_RADIX_BITS, dtype=torch.float64, device=device)
         lo = steps[:, None] * inv[None, :]
         hi = (steps * (1 << ROPE_RADIX_BITS))[:, None] * inv[None, :]

@@ -15,6 +15,7 @@ import torch
 from kernels._fsq_plan import (
     MAX_THETA_POSITION,
     FsqProblem,
+    RopeFrequencies,
     level_bits,
     level_list,
     packed_bytes,
@@ -60,11 +61,22 @@ def _bias(name: str, t, kv_heads: int, head_dim: int, device) -> torch.Tensor | 
 
 
 def _rope(rope, head_dim: int, device):
-    """``None``, a positive finite theta (float), or ``(cos, sin)`` float32 tables."""
+    """``None``, a positive finite theta (float), :class:`RopeFrequencies`, or ``(cos, sin)``
+    float32 tables."""
     if rope is None:
         return None
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    if isinstance(rope, RopeFrequencies):
+        inv = rope.inv_freq
+        if not isinstance(inv, tuple) or len(inv) != head_dim // 2:
+            raise ValueError(f"RopeFrequencies needs {head_dim // 2} inverse frequencies "
+                             f"(head_dim / 2), got {len(inv) if isinstance(inv, tuple) else inv!r}")
+        bad = [f for f in inv if isinstance(f, bool) or not isinstance(f, numbers.Real)
+               or not (math.isfinite(float(f)) and float(f) > 0)]
+        if bad:
+            raise ValueError(f"RopeFrequencies must be positive finite floats, got {bad[0]!r}")
+        return rope
     if isinstance(rope, (tuple, list)):
         if len(rope) != 2:
             raise ValueError(f"rope tables must be a pair (cos, sin), got {len(rope)} items")
@@ -80,7 +92,8 @@ def _rope(rope, head_dim: int, device):
         return (rope[0].contiguous(), rope[1].contiguous())
     if isinstance(rope, bool) or not isinstance(rope, numbers.Real) \
             or not (math.isfinite(float(rope)) and float(rope) > 1):
-        raise ValueError(f"rope must be None, a theta > 1, or (cos, sin) tables; got {rope!r}")
+        raise ValueError(f"rope must be None, a theta > 1, RopeFrequencies or (cos, sin) "
+                         f"tables; got {rope!r}")
     return float(rope)
 
 

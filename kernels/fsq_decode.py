@@ -81,8 +81,10 @@ def fsq_decode_attention(
         positions: ``(batch, seq)`` int32/int64 absolute positions of the archived tokens, or
             ``None`` meaning ``sink_lengths[b] + index``.
         rope: ``None`` (no rotation: GPT-2), a float theta (``inv_freq_i = theta^(-2i /
-            head_dim)``, angles exact below position 2^22 = 4,194,304), or ``(cos, sin)``
-            float32 ``(max_position, head_dim)`` tables in transformers' layout.
+            head_dim)``, angles exact below position 2^22 = 4,194,304),
+            :class:`kernels.RopeFrequencies` (given inverse frequencies, e.g. a bfloat16
+            model's rounded ``inv_freq``, treated as a theta's), or ``(cos, sin)`` float32
+            ``(max_position, head_dim)`` tables in transformers' layout.
         k_norm: ``(head_dim,)`` RMSNorm weight, or ``None``; ``norm_eps`` its epsilon.
         archived_lengths, sink_*, recent_*, scale: as in :func:`kernels.rvq_decode_attention`
             (sink and recent keys are the model's cached keys: normed and rotated).

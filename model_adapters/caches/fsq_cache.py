@@ -28,7 +28,11 @@ inv_freq`` in float32), not with frequencies recomputed from theta. ``model.to(t
 rounds that buffer to bfloat16 (relative error up to 2^-9); keys rotated at theta's exact
 frequencies then drift from the queries by ``position * error`` radians (several radians at 8K
 positions), which broke long-context retrieval. The Triton kernel gets theta when the model's
-frequencies are theta's (float32), else ``(cos, sin)`` tables of the model's frequencies.
+frequencies are theta's (float32), else those frequencies (``kernels.RopeFrequencies``, read
+back once); it computes ``position * inv_freq`` exactly (float64 tables, angle sums in
+float32), which differs from transformers' float32 product by that product's rounding (up to
+``2^-24`` of the angle: ~5e-4 rad at 8K positions, ~8e-3 at 128K), far below the drift of the
+rounded frequencies above.
 """
 
 from __future__ import annotations
@@ -108,20 +112,16 @@ class StaticFsqLayer(FsqLayer):
         self.length = 0
         self.lengths: torch.Tensor | None = None
         self.visible: bool | None = None  # decode steps see every position (checked once)
+        self.consecutive = True  # every position is its index (prompts checked, steps trusted)
 
     def append(self, packed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Write ``(batch, n, packed_bytes)`` codes at ``(batch, n)`` positions after the
         current length; returns the rows in use, a view ``(batch, length, packed_bytes)``.
-        Past the capacity: :class:`CapacityError`; a prompt (``n > 1``) with a position at or
-        past the capacity (outside the kernel's rotation tables): ``ValueError``. Either way
-        nothing is written."""
+        Past the capacity: :class:`CapacityError`, nothing written."""
         batch, n = packed.shape[:2]
         if self.length + n > self.capacity:
             raise CapacityError(f"FSQCache(capacity={self.capacity}) holds {self.length} "
                                 f"positions; {n} more do not fit")
-        if n > 1 and int(positions.max()) >= self.capacity:  # (one read-back per prompt)
-            raise ValueError(f"FSQCache(capacity={self.capacity}) rotates keys by tables of "
-                             f"{self.capacity} positions; got position {int(positions.max())}")
         if not self.is_initialized:
             self.device = packed.device
             self.keys = packed.new_zeros(batch, 1, self.capacity, packed.shape[2])
@@ -133,6 +133,9 @@ class StaticFsqLayer(FsqLayer):
             raise ValueError(f"this FSQCache holds a batch of {self.keys.shape[0]}, got codes "
                              f"for {batch}")
         end = self.length + n
+        if self.keeps_positions and n > 1:  # (one read-back per prompt)
+            index = torch.arange(self.length, end, device=positions.device)
+            self.consecutive = self.consecutive and bool((positions == index).all())
         self.keys[:, 0, self.length:end] = packed
         if self.keeps_positions:
             self.values[:, 0, self.length:end, 0] = positions
@@ -167,6 +170,7 @@ class StaticFsqLayer(FsqLayer):
         if self.is_initialized:
             self._set_length(0)
         self.visible = None
+        self.consecutive = True
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """In place (the buffers keep their address)."""
@@ -326,9 +330,9 @@ class FSQCache(Cache):
             (:class:`kernels.CapturedCall`: no argument checks, launches or read-backs per
             step; set ``capture_eager_steps = False`` to launch instead). Past the capacity:
             :class:`CapacityError` before anything is written. The mask of a batch is checked
-            once per prompt (a padded batch runs torch), and a prompt's positions must lie below
-            the capacity (checked once per prompt; decode steps' positions are not checked,
-            and generate's never pass it).
+            once per prompt, at its first decode step (a padded batch runs torch); later steps'
+            masks are trusted to be as visible, and captured steps' positions (below 2^22 for
+            exact angles) are not checked.
     """
 
     def __init__(self, model, *, backend: str = "auto", capacity: int | None = None):
@@ -348,8 +352,7 @@ class FSQCache(Cache):
         self.fsq = FSQ(levels)
         self.backend = backend
         self.rotary = rotary_embedding(model)
-        self._kernel_rope: tuple = (None, None)  # (inverse-frequency key, theta or ())
-        self._kernel_tables: tuple | None = None  # (inverse-frequency key, cos, sin)
+        self._kernel_rope: tuple = (None, None)  # (inverse-frequency key, the kernel's rope)
         self.kernel_calls = 0  # decode steps (per layer) sent to kernels.fsq_decode_attention
 
     @property
@@ -403,7 +406,7 @@ class FSQCache(Cache):
             if static and self._captures(q):
                 return self._captured_step(module, layer, q)(q)[:, None]
             folded, k_norm, eps, rope = self._decoding(module)
-            kernel_rope = self._rope_for_kernel(module, rope, positions)
+            kernel_rope = self._rope_for_kernel(module, rope)
             out = fsq_decode_attention(
                 q, packed, self.fsq.levels, folded[0], folded[2],
                 key_bias=folded[1], value_bias=folded[3], rope=kernel_rope,
@@ -448,26 +451,29 @@ class FSQCache(Cache):
         """The layer's decode-step kernel call, checked once and captured once per query
         shape, scale, buffer addresses and decoder weights (a buffer that moved or new weights
         get a new capture; the folded decoders are computed at the capture). It reads the
-        codes and positions where the layers keep them and the length from ``layer.lengths``,
-        all on the GPU."""
+        codes (and, unless every prompt's positions were their indices, the positions) where
+        the layers keep them and the length from ``layer.lengths``, all on the GPU. With
+        consecutive positions and the key decoder in the query's dtype the problem is one the
+        warp-specialized kernel takes (Hopper)."""
         weights = (module.fsq.key_decoder.weight, module.fsq.value_decoder.weight)
         rotary = self.rotary.inv_freq if self.rotary is not None else None
+        consecutive = self.layers[0].consecutive
         key = (tuple(q.shape), q.dtype, float(module.scaling), layer.keys.data_ptr(),
-               self.layers[0].values.data_ptr(), layer.lengths.data_ptr(),
+               self.layers[0].values.data_ptr(), layer.lengths.data_ptr(), consecutive,
                *((w.data_ptr(), w._version) for w in weights),
                None if rotary is None else (rotary.data_ptr(), rotary._version))
         held = self._captured.get(module.layer_idx)
         if held is not None and held[0] == key:
             return held[1]
         folded, k_norm, eps, rope = self._decoding(module)
-        kernel_rope = self._rope_for_kernel(module, rope, None, layer.capacity)
-        positions = self.layers[0].values[:, 0, :, 0]
+        positions = None if rope is None or consecutive else self.layers[0].values[:, 0, :, 0]
+        # the key decoder in the query's dtype, as the warp-specialized kernel takes it (its
+        # products are 16-bit either way; model_adapters.quant.fsq_precision's "bf16" form)
         problem = kernels.validate_fsq_args(
-            q, layer.keys[:, 0], self.fsq.levels, folded[0], folded[2], key_bias=folded[1],
-            value_bias=folded[3], rope=kernel_rope,
-            positions=positions if rope is not None else None, k_norm=k_norm, norm_eps=eps,
-            archived_lengths=layer.lengths, scale=module.scaling, check_codes=False,
-            check_lengths=False, check_positions=False)
+            q, layer.keys[:, 0], self.fsq.levels, folded[0].to(q.dtype), folded[2],
+            key_bias=folded[1], value_bias=folded[3], rope=self._rope_for_kernel(module, rope),
+            positions=positions, k_norm=k_norm, norm_eps=eps, archived_lengths=layer.lengths,
+            scale=module.scaling, check_codes=False, check_lengths=False, check_positions=False)
         backend = self.backend
 
         def step(query: torch.Tensor) -> torch.Tensor:
@@ -499,14 +505,12 @@ class FSQCache(Cache):
         for layer, codes in zip(self.layers, layer_codes, strict=True):
             layer.append(self.fsq.pack(codes), positions.to(codes.device, torch.long))
 
-    def _rope_for_kernel(self, module, rope, positions: torch.Tensor | None,
-                         top: int | None = None):
+    def _rope_for_kernel(self, module, rope):
         """The kernel's ``rope``: the layer's theta when the model's inverse frequencies are
-        theta's (float32, as transformers computes them; the kernel's angles are then exact),
-        else ``(cos, sin)`` tables from the model's own frequencies (e.g. rounded to bfloat16
-        by ``model.to(torch.bfloat16)``) covering every cached position (one read-back of the
-        largest position per step, unless ``top``, the positions' bound, is given; the tables
-        are kept and grow by doubling)."""
+        theta's (float32, as transformers computes them), else the model's own frequencies
+        (e.g. rounded to bfloat16 by ``model.to(torch.bfloat16)``) as
+        :class:`kernels.RopeFrequencies`; either way the kernel reduces the angles exactly in
+        float64 tables. Read back once per frequency tensor, then cached."""
         if not isinstance(rope, torch.Tensor):
             return rope
         theta, dim = module.fsq_rope_theta, 2 * rope.shape[0]
@@ -516,13 +520,6 @@ class FSQCache(Cache):
                                           / dim))
             exact = rope.dtype == torch.float32 and bool(
                 torch.allclose(rope, ref, rtol=1e-6, atol=0.0))
-            self._kernel_rope = (key, theta if exact else ())
-        if self._kernel_rope[1] != ():
-            return self._kernel_rope[1]
-        top = int(positions.max()) + 1 if top is None else top
-        tables = self._kernel_tables
-        if tables is None or tables[0] != key or tables[1].shape[0] < top:
-            size = 1 << max(10, (top - 1).bit_length())
-            self._kernel_tables = tables = (
-                key, *rope_angles(rope, torch.arange(size, device=rope.device), dim))
-        return tables[1:]
+            self._kernel_rope = (key, theta if exact else kernels.RopeFrequencies(
+                tuple(rope.double().tolist())))
+        return self._kernel_rope[1]

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kernels import (  # noqa: E402
+    RopeFrequencies,
     decode_fsq_problem,
     fsq_decode_attention,
     reference_fsq_decode_attention,
@@ -142,6 +143,25 @@ def test_positions_near_a_million_theta_and_tables(start):
     inv = 1e6 ** (-torch.arange(0, 32, 2).double() / 32)
     angles = torch.cat([pos[:, None] * inv] * 2, dim=1)
     check(dict(case, rope=(angles.cos().float(), angles.sin().float())), num_splits=2)
+
+
+@pytest.mark.parametrize("start", [0, 100_000])
+def test_rope_by_given_inverse_frequencies(start):
+    """RopeFrequencies: theta's own frequencies give theta's result exactly; a model's
+    bfloat16-rounded ones rotate as float64 tables of those frequencies do."""
+    case = make_fsq_case(archived=70, positions=start, head_dim=32)
+    inv = 1e6 ** (-torch.arange(0, 32, 2).double() / 32)
+    same = fsq_decode_attention(**dict(case, rope=RopeFrequencies(tuple(inv.tolist()))),
+                                backend="triton", num_splits=2)
+    assert torch.equal(same, fsq_decode_attention(**case, backend="triton", num_splits=2))
+    rounded = inv.to(torch.bfloat16).double()
+    check(dict(case, rope=RopeFrequencies(tuple(rounded.tolist()))), num_splits=2)
+    pos = torch.arange(start + 80, dtype=torch.float64)
+    angles = torch.cat([pos[:, None] * rounded] * 2, dim=1)
+    tables = dict(case, rope=(angles.cos().float(), angles.sin().float()))
+    assert_rows_close(fsq_decode_attention(**dict(case, rope=RopeFrequencies(
+        tuple(rounded.tolist()))), backend="triton", num_splits=2),
+        reference_fsq_decode_attention(**tables, out_dtype=torch.float32))
 
 
 def test_ragged_positions_and_float32_decoders():

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kernels import (
+    RopeFrequencies,
     decode_fsq_problem,
     fsq_decode_attention,
     fsq_kernel_takes,
@@ -120,6 +121,10 @@ def test_arguments_are_checked_and_named():
     _raises("norm_eps", norm_eps=0.0)
     _raises("rope must be None", rope="theta")
     _raises("rope must be None", rope=True)
+    _raises(r"needs 16 inverse frequencies \(head_dim / 2\), got 3",
+            rope=RopeFrequencies((1.0, 0.5, 0.25)))
+    _raises("must be positive finite floats, got -1.0", rope=RopeFrequencies((-1.0,) * 16))
+    _raises("must be positive finite floats, got nan", rope=RopeFrequencies((float("nan"),) * 16))
     _raises("rope cos must have dtype", rope=(torch.ones(100, 32).half(), torch.ones(100, 32)))
     _raises("positions must have shape", positions=torch.zeros(2, 3, dtype=torch.int64))
     _raises("positions hold values from", positions=torch.full((2, 40), MAX_THETA_POSITION))

@@ -233,17 +233,6 @@ def test_past_the_capacity_nothing_is_written():
     assert cache.get_seq_length() == 20
 
 
-def test_a_prompt_past_the_capacity_positions_is_refused():
-    model = _QWEN
-    kw = cache_kwarg(model)
-    cache = FSQCache(model, capacity=20)
-    with torch.no_grad(), pytest.raises(ValueError, match="tables of 20 positions; got "
-                                                          "position 21"):
-        model(IDS[:, :4], position_ids=torch.arange(18, 22)[None], use_cache=True,
-              **{kw: cache})
-    assert cache.get_seq_length() == 0
-
-
 def test_auto_classes_load_a_saved_model_in_a_fresh_process(tmp_path, converted):
     _, model = converted
     model.save_pretrained(tmp_path / "m")
@@ -350,3 +339,19 @@ def test_needle_items_follow_the_task_rules():
     assert mask[-sum(mask):] == [1] * sum(mask)
     x, m = next(training_batches(source, ["apple", "river", "stone"], encode, batch=3, seq=512))
     assert x.shape == m.shape == (3, 512)
+
+
+def test_capacity_cache_knows_whether_positions_are_their_indices():
+    """(A captured decode step then lets the kernel take positions as indices.)"""
+    model = _QWEN
+    kw = cache_kwarg(model)
+    cache = FSQCache(model, capacity=20)
+    _through_cache(model, cache, IDS[:1, :7], [5, 6])
+    assert cache.layers[0].consecutive
+    with torch.no_grad():
+        model(IDS[:1, 7:10], position_ids=torch.arange(8, 11)[None], use_cache=True,
+              **{kw: cache})
+    assert not cache.layers[0].consecutive
+    cache.reset()
+    assert cache.layers[0].consecutive and cache.get_seq_length() == 0
+

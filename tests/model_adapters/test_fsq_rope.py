@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 import model_adapters.caches.fsq_cache as fsq_cache
+from kernels import RopeFrequencies
 from model_adapters.caches.fsq_cache import FSQCache, rope_angles, rotary_embedding
 from model_adapters.models import cache_kwarg
 from model_adapters.quant.fsq_convert import convert_to_fsq
@@ -63,9 +64,9 @@ def test_rope_angles_match_the_models_rotary_embedding():
 
 
 def test_kernel_route_gets_the_models_frequencies(monkeypatch):
-    """The decode steps sent to the kernel receive tables of the model's rounded frequencies
-    (theta only when the model's frequencies are theta's); the kernel's reference stands in
-    for the kernel on the CPU."""
+    """The decode steps sent to the kernel receive the model's rounded frequencies
+    (``RopeFrequencies``; theta only when the model's frequencies are theta's); the kernel's
+    reference stands in for the kernel on the CPU."""
     seen = []
 
     def reference(*args, rope=None, backend=None, **kwargs):
@@ -80,10 +81,9 @@ def test_kernel_route_gets_the_models_frequencies(monkeypatch):
     kernel = FSQCache(model, backend="triton")
     got, _ = _steps(model, kernel, IDS[:1], 20)
     torch_path, _ = _steps(model, FSQCache(model, backend="torch"), IDS[:1], 20)
-    assert kernel.kernel_calls == 4 * 2 and all(isinstance(r, tuple) for r in seen)
+    assert kernel.kernel_calls == 4 * 2 and all(isinstance(r, RopeFrequencies) for r in seen)
     inv = rotary_embedding(model).inv_freq
-    assert torch.equal(seen[-1][0][OFFSET + 23], rope_angles(inv, torch.tensor([OFFSET + 23]),
-                                                             16)[0][0])
+    assert seen[-1].inv_freq == tuple(inv.double().tolist())
     assert (got.float() - torch_path.float()).abs().max() < 0.05 * torch_path.float().abs().max()
     # float32 frequencies equal to theta's: the kernel gets theta (its exact angle tables)
     seen.clear()
