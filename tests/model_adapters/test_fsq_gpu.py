@@ -38,11 +38,20 @@ def test_triton_decode_steps_match_the_torch_path():
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "gpt2"])
-def test_capacity_cache_replays_captured_kernel_calls_that_match_the_torch_path(kind):
+def test_capacity_cache_replays_captured_kernel_calls_that_match_the_torch_path(kind,
+                                                                              monkeypatch):
     """FSQCache(capacity=...): each layer's decode step is captured once and replayed; its
-    logits match the torch path and the growing cache's kernel path, and a decode step reads
-    nothing back from the GPU."""
+    logits match the torch path and the growing cache's kernel path, a decode step reads
+    nothing back from the GPU, and on Hopper the captured call is the warp-specialized
+    kernel's."""
     pytest.importorskip("triton")
+    from kernels import fsq_decode
+    from kernels._fsq_plan import uses_ws, ws_limit
+
+    problems = []
+    decode = fsq_decode.decode_fsq_problem
+    monkeypatch.setattr(fsq_decode, "decode_fsq_problem",
+                        lambda p, **k: (problems.append(p), decode(p, **k))[1])
     torch.manual_seed(0)
     if kind == "qwen3":
         base = Qwen3ForCausalLM(Qwen3Config(
@@ -68,6 +77,10 @@ def test_capacity_cache_replays_captured_kernel_calls_that_match_the_torch_path(
         logits[name] = torch.cat(steps, 1)
     cache = caches["capacity"]
     assert cache.kernel_calls == 2 * 16 and len(cache._captured) == 2
+    captured = [p for p in problems if p.codes.shape[1] == 512]  # (the capacity's buffer)
+    assert len(captured) == 2 * 2  # each layer's warm-up and capture, never again
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert all(uses_ws(p) for p in captured), [ws_limit(p) for p in captured]
     scale = logits["torch"].abs().max()
     for name in ("growing", "capacity"):
         diff = (logits[name] - logits["torch"]).abs().max()
