@@ -566,7 +566,8 @@ def theta_tables(rope: float | RopeFrequencies, head_dim: int,
     (positions below ``MAX_THETA_POSITION``). 64 KB each at head_dim 128: they stay in L2.
     Cached per (theta or frequencies, head_dim, device); computed on the device (for a
     theta no host copy, so a first call inside a CUDA-graph capture works, and is then not
-    cached)."""
+    cached; given frequencies are copied from the host, so their first call must run outside
+    a capture, as ``kernels.CapturedCall``'s warm-up does)."""
     device = torch.device(device)
     key = (rope if isinstance(rope, RopeFrequencies) else float(rope), head_dim, device)
     tables = _TABLES.get(key)
