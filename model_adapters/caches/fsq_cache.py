@@ -449,13 +449,16 @@ class FSQCache(Cache):
     def _captured_step(self, module, layer: StaticFsqLayer,
                        q: torch.Tensor) -> kernels.CapturedCall:
         """The layer's decode-step kernel call, checked once and captured once per query
-        shape, scale, buffer addresses and decoder weights (a buffer that moved or new weights
-        get a new capture; the folded decoders are computed at the capture). It reads the
-        codes (and, unless every prompt's positions were their indices, the positions) where
-        the layers keep them and the length from ``layer.lengths``, all on the GPU. With
+        shape, scale, buffer addresses, bottleneck and k_norm weights (a buffer that moved or
+        new weights get a new capture; the folded decoders are computed at the capture). It
+        reads the codes (and, unless every prompt's positions were their indices, the
+        positions) where the layers keep them and the length from ``layer.lengths``, all on
+        the GPU. With
         consecutive positions and the key decoder in the query's dtype the problem is one the
         warp-specialized kernel takes (Hopper)."""
-        weights = (module.fsq.key_decoder.weight, module.fsq.value_decoder.weight)
+        weights = [*module.fsq.parameters()]  # (what the folded decoders come from)
+        if module.fsq_k_norm is not None:
+            weights += [*module.fsq_k_norm.parameters()]
         rotary = self.rotary.inv_freq if self.rotary is not None else None
         consecutive = self.layers[0].consecutive
         key = (tuple(q.shape), q.dtype, float(module.scaling), layer.keys.data_ptr(),
