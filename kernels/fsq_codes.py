@@ -18,13 +18,16 @@ def _layout(levels: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor
     return coord, torch.arange(coord.numel(), device=device) - start[coord]
 
 
-def fsq_pack(codes: torch.Tensor, levels) -> torch.Tensor:
+def fsq_pack(codes: torch.Tensor, levels, *, check: bool = True) -> torch.Tensor:
     """Pack FSQ codes, little-endian bit order (see ``kernels/_fsq_plan.py``).
 
     Args:
         codes: ``(..., width)`` integer tensor, coordinate ``i`` in ``[0, levels[i])``
             (checked: one read-back).
         levels: an int (uniform) or ``width`` ints, each >= 2.
+        check: verify the codes' range (False: the caller's codes are in range by
+            construction, e.g. an FSQ quantiser's; nothing is read back, so the call can be
+            traced by ``torch.compile`` and captured in a CUDA graph).
 
     Returns:
         ``(..., ceil(sum_i ceil(log2 L_i) / 8))`` uint8 on the codes' device.
@@ -41,7 +44,7 @@ def fsq_pack(codes: torch.Tensor, levels) -> torch.Tensor:
                          f"{codes.dtype} and shape {tuple(codes.shape)}")
     levels = level_list(levels, codes.shape[-1])
     codes = codes.long()
-    if codes.numel():
+    if check and codes.numel():
         over = (codes < 0) | (codes >= torch.tensor(levels, device=codes.device))
         if bool(over.any()):
             raise ValueError(f"codes hold {int(over.sum())} values outside [0, level) "

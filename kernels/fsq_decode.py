@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._fsq_plan import FsqProblem, kernel_limit
+from kernels._fsq_plan import FsqProblem, RopeFrequencies, kernel_limit
 from kernels._fsq_validate import validate_fsq_args
 from kernels._validate import ACTIVATION_DTYPES, check_num_splits
 from kernels.rvq_decode import BACKENDS, require_triton, triton_available
@@ -127,7 +127,9 @@ def decode_fsq_problem(problem: FsqProblem, *, backend: str = "auto",
                        num_splits: int | None = None) -> torch.Tensor:
     """Decode attention of a trusted :class:`~kernels.FsqProblem`; ``(batch, q_heads,
     head_dim)`` in the query's dtype. ``backend`` and ``num_splits`` as in
-    :func:`fsq_decode_attention`. The Triton path never waits for the GPU."""
+    :func:`fsq_decode_attention`. The Triton path never waits for the GPU, and under
+    ``torch.compile`` it is one opaque operator (``fkv::fsq_decode``: no graph break, and
+    inductor's CUDA graphs capture it); the torch reference reads the lengths back."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     query = problem.query
@@ -141,6 +143,53 @@ def decode_fsq_problem(problem: FsqProblem, *, backend: str = "auto",
     if reason is not None:
         raise ValueError(f"backend='triton': {reason}")
     require_triton(query)
+    if torch.compiler.is_compiling():
+        return _fsq_decode_op(*_op_args(problem), num_splits=num_splits)
+    return _triton(problem, num_splits)
+
+
+def _triton(problem: FsqProblem, num_splits: int | None) -> torch.Tensor:
     from kernels import _fsq
 
     return _fsq.decode(problem, num_splits=num_splits)
+
+
+def _op_args(p: FsqProblem) -> tuple:
+    """The problem as the operator's arguments (its rope split by kind)."""
+    rope = p.rope
+    theta = float(rope) if isinstance(rope, (int, float)) else None
+    freqs = list(rope.inv_freq) if isinstance(rope, RopeFrequencies) else None
+    cos, sin = rope if isinstance(rope, tuple) else (None, None)
+    return (p.query, p.codes, list(p.levels), p.key_decoder, p.value_decoder, p.key_bias,
+            p.value_bias, p.k_norm, p.eps, theta, freqs, cos, sin, p.positions, p.sink_keys,
+            p.sink_values, p.recent_keys, p.recent_values, p.sink_lengths, p.archived_lengths,
+            p.recent_lengths, p.scale)
+
+
+@torch.library.custom_op("fkv::fsq_decode", mutates_args=())
+def _fsq_decode_op(query: torch.Tensor, codes: torch.Tensor, levels: list[int],
+                   key_decoder: torch.Tensor, value_decoder: torch.Tensor,
+                   key_bias: torch.Tensor | None, value_bias: torch.Tensor | None,
+                   k_norm: torch.Tensor | None, eps: float, rope_theta: float | None,
+                   rope_freqs: list[float] | None, rope_cos: torch.Tensor | None,
+                   rope_sin: torch.Tensor | None, positions: torch.Tensor | None,
+                   sink_keys: torch.Tensor, sink_values: torch.Tensor,
+                   recent_keys: torch.Tensor, recent_values: torch.Tensor,
+                   sink_lengths: torch.Tensor, archived_lengths: torch.Tensor,
+                   recent_lengths: torch.Tensor, scale: float,
+                   num_splits: int | None = None) -> torch.Tensor:
+    rope = rope_theta if rope_theta is not None else (
+        RopeFrequencies(tuple(rope_freqs)) if rope_freqs is not None else (
+            None if rope_cos is None else (rope_cos, rope_sin)))
+    problem = FsqProblem(
+        query=query, codes=codes, levels=tuple(levels), key_decoder=key_decoder,
+        value_decoder=value_decoder, key_bias=key_bias, value_bias=value_bias, k_norm=k_norm,
+        eps=eps, rope=rope, positions=positions, sink_keys=sink_keys, sink_values=sink_values,
+        recent_keys=recent_keys, recent_values=recent_values, sink_lengths=sink_lengths,
+        archived_lengths=archived_lengths, recent_lengths=recent_lengths, scale=scale)
+    return _triton(problem, num_splits)
+
+
+@_fsq_decode_op.register_fake
+def _(query, *args, **kwargs):
+    return torch.empty_like(query)

@@ -97,19 +97,21 @@ class FsqLayer(DynamicLayer):
 
 class StaticFsqLayer(FsqLayer):
     """One layer's packed codes in buffers allocated once for ``capacity`` positions (the
-    layer of :class:`FSQCache` built with ``capacity=N``): ``keys`` ``(batch, 1, capacity,
-    packed_bytes)`` uint8, ``values`` the positions ``(batch, 1, capacity, 1)`` int64 (or an
-    empty placeholder), ``lengths`` the host length as a ``(batch,)`` int32 tensor on the
-    buffers' device. Appends write in place, so the buffers keep their address from step to
-    step and a decode step's kernel call can be captured once and replayed (the kernel reads
-    ``lengths`` on the GPU: nothing is read back)."""
+    layer of :class:`FSQCache` built with ``capacity=N``): ``keys`` ``(batch, 1, capacity + 1,
+    packed_bytes)`` uint8 (the last row is scratch, see :meth:`step`), ``values`` the
+    positions ``(batch, 1, capacity + 1, 1)`` int64 (or an empty placeholder), ``lengths`` the
+    length as a ``(batch,)`` int32 tensor on the buffers' device. Appends write in place, so
+    the buffers keep their address from step to step: an eager decode step's kernel call is
+    captured once and replayed, and ``torch.compile`` traces a decode step (:meth:`step`)
+    whose graph serves every later length (the kernel reads ``lengths`` on the device: nothing
+    is read back)."""
 
-    is_compileable = False  # (the captured kernel call runs outside torch.compile)
+    is_compileable = True
 
     def __init__(self, capacity: int, keeps_positions: bool = False):
         super().__init__(keeps_positions)
         self.capacity = capacity
-        self.length = 0
+        self.length: int | None = 0  # the device length, when the host knows it
         self.lengths: torch.Tensor | None = None
         self.visible: bool | None = None  # decode steps see every position (checked once)
         self.consecutive = True  # every position is its index (prompts checked, steps trusted)
@@ -119,50 +121,103 @@ class StaticFsqLayer(FsqLayer):
         current length; returns the rows in use, a view ``(batch, length, packed_bytes)``.
         Past the capacity: :class:`CapacityError`, nothing written."""
         batch, n = packed.shape[:2]
-        if self.length + n > self.capacity:
-            raise CapacityError(f"FSQCache(capacity={self.capacity}) holds {self.length} "
+        length = self.known_length()
+        if length + n > self.capacity:
+            raise CapacityError(f"FSQCache(capacity={self.capacity}) holds {length} "
                                 f"positions; {n} more do not fit")
         if not self.is_initialized:
             self.device = packed.device
-            self.keys = packed.new_zeros(batch, 1, self.capacity, packed.shape[2])
-            self.values = positions.new_zeros(batch, 1, self.capacity,
+            self.keys = packed.new_zeros(batch, 1, self.capacity + 1, packed.shape[2])
+            self.values = positions.new_zeros(batch, 1, self.capacity + 1,
                                               1 if self.keeps_positions else 0)
             self.lengths = torch.zeros(batch, dtype=torch.int32, device=packed.device)
             self.is_initialized = True
+            self._mark_static()
         if self.keys.shape[0] != batch:
             raise ValueError(f"this FSQCache holds a batch of {self.keys.shape[0]}, got codes "
                              f"for {batch}")
-        end = self.length + n
+        end = length + n
         if self.keeps_positions and n > 1:  # (one read-back per prompt)
-            index = torch.arange(self.length, end, device=positions.device)
+            index = torch.arange(length, end, device=positions.device)
             self.consecutive = self.consecutive and bool((positions == index).all())
-        self.keys[:, 0, self.length:end] = packed
+        self.keys[:, 0, length:end] = packed
         if self.keeps_positions:
-            self.values[:, 0, self.length:end, 0] = positions
+            self.values[:, 0, length:end, 0] = positions
         self._set_length(end)
         if n > 1:
             self.visible = None  # a new prompt: its first decode step checks the mask again
         return self.keys[:, 0, :end]
 
+    def step(self, packed: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append one position per sequence on the device only (what a compiled decode step
+        runs): ``(batch, 1, packed_bytes)`` codes at ``(batch, 1)`` positions, written at
+        row ``lengths`` (the scratch row once the capacity is reached: nothing can raise
+        inside a graph, so the next eager call that learns the length raises
+        :class:`CapacityError`), and the length grows by one."""
+        slot = self.lengths[:1].long().clamp(max=self.capacity)
+        self.keys.index_copy_(2, slot, packed[:, None])
+        if self.keeps_positions:
+            self.values.index_copy_(2, slot, positions[:, None, :, None])
+        self.lengths.add_(1)
+        self.length = None
+
+    def attended(self) -> torch.Tensor:
+        """``(batch,)`` int32 positions a decode step attends (the length, at most the
+        capacity), computed on the device."""
+        return self.lengths.clamp(max=self.capacity)
+
+    def _mark_static(self) -> None:
+        """Tell ``torch.compile`` the buffers keep their address (updated in place), so CUDA
+        graphs read them where they are."""
+        if not torch.compiler.is_compiling():
+            for t in (self.keys, self.values, self.lengths):
+                torch._dynamo.mark_static_address(t)
+
     def _set_length(self, length: int) -> None:
         self.length = length
         self.lengths.fill_(length)
 
-    def get_seq_length(self) -> int:
+    def known_length(self) -> int:
+        """Positions held, as a host int (read back once after compiled steps, which the host
+        does not follow). CapacityError past the capacity."""
+        if self.length is None:
+            held = int(self.lengths[0])
+            if held > self.capacity:
+                raise CapacityError(
+                    f"FSQCache(capacity={self.capacity}) was given {held} positions inside "
+                    f"compiled steps; the codes past the capacity were dropped: build the "
+                    f"cache with a larger capacity")
+            self.length = held
         return self.length
+
+    def get_seq_length(self):
+        if torch.compiler.is_compiling() and self.is_initialized:
+            return self.lengths[0].long()
+        return self.known_length()
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        # a compiled step reads no mask (the lengths say what is attended): a fixed size;
+        # older releases pass cache_position (one entry per query token) instead of a length
+        if torch.compiler.is_compiling():
+            return 1, 0
+        q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
+        return self.known_length() + q, 0
 
     def get_max_length(self) -> int:
         return self.capacity
 
+    get_max_cache_shape = get_max_length  # the name older releases ask for
+
     def positions(self) -> torch.Tensor:
-        return self.values[:, 0, :self.length, 0]
+        return self.values[:, 0, :self.known_length(), 0]
 
     def codes(self) -> torch.Tensor | None:
-        return None if not self.is_initialized or self.length == 0 else \
-            self.keys[:, 0, :self.length]
+        if not self.is_initialized or self.known_length() == 0:
+            return None
+        return self.keys[:, 0, :self.length]
 
     def crop(self, tokens_to_remove: int) -> None:
-        keep = crop_target(tokens_to_remove, self.length)
+        keep = crop_target(tokens_to_remove, self.known_length())
         if self.is_initialized and keep < self.length:
             self._set_length(keep)
 
@@ -181,15 +236,18 @@ class StaticFsqLayer(FsqLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self.keys = self.keys.repeat_interleave(repeats, dim=0)
-            self.values = self.values.repeat_interleave(repeats, dim=0)
-            self.lengths = self.lengths.new_full((self.keys.shape[0],), self.length)
+            self._rebatch(self.keys.repeat_interleave(repeats, dim=0),
+                          self.values.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self.keys = self.keys[indices]
-            self.values = self.values[indices]
-            self.lengths = self.lengths.new_full((self.keys.shape[0],), self.length)
+            self._rebatch(self.keys[indices], self.values[indices])
+
+    def _rebatch(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        length = self.known_length()
+        self.keys, self.values = keys, values
+        self.lengths = self.lengths.new_full((keys.shape[0],), length)
+        self._mark_static()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -390,33 +448,102 @@ class FSQCache(Cache):
         """
         layer = self.layers[module.layer_idx]
         batch, n = codes.shape[:2]
+        static = isinstance(layer, StaticFsqLayer)
+        if static and torch.compiler.is_compiling():
+            return self._compiled_step(module, layer, query, codes, position_ids)
         if position_ids is None:
             start = layer.get_seq_length()
             position_ids = torch.arange(start, start + n, device=codes.device)
         position_ids = position_ids.to(codes.device, torch.long).expand(batch, n)
-        static = isinstance(layer, StaticFsqLayer)
-        packed = layer.append(self.fsq.pack(codes), position_ids)
+        # (FSQ.codes are in range by construction: packing them reads nothing back)
+        packed = layer.append(self.fsq.pack(codes, check=False), position_ids)
         positions = self.layers[0].positions()
         step = query.shape[2] == 1
-        if step and self.backend != "torch" and query.dtype in (torch.float16, torch.bfloat16) \
-                and (query.is_cuda or self.backend == "triton") \
-                and self._visible(layer, attention_mask):
+        folded, k_norm, eps, rope = self._decoding(module)
+        if static and rope is not None:
+            self._rope_for_kernel(module, rope)  # (a compiled step reads it, cannot make it)
+        if step and self._kernel_dtype(query) and self._visible(layer, attention_mask):
             self.kernel_calls += 1
             q = query[:, :, 0]
             if static and self._captures(q):
-                return self._captured_step(module, layer, q)(q)[:, None]
-            folded, k_norm, eps, rope = self._decoding(module)
-            kernel_rope = self._rope_for_kernel(module, rope)
+                captured = self._captured_step(module, layer, q)
+                if captured is not None:
+                    return captured(q)[:, None]
             out = fsq_decode_attention(
                 q, packed, self.fsq.levels, folded[0], folded[2],
-                key_bias=folded[1], value_bias=folded[3], rope=kernel_rope,
+                key_bias=folded[1], value_bias=folded[3],
+                rope=self._rope_for_kernel(module, rope),
                 positions=positions if rope is not None else None, k_norm=k_norm, norm_eps=eps,
                 scale=module.scaling, backend=self.backend)
             return out[:, None]
-        folded, k_norm, eps, rope = self._decoding(module)
         return fsq_torch_attention(query, self.fsq.unpack(packed), folded, scale=module.scaling,
                                    k_norm=k_norm, norm_eps=eps, rope=rope, positions=positions,
                                    mask=attention_mask)
+
+    def _kernel_dtype(self, query: torch.Tensor) -> bool:
+        """Whether a decode step of this query may go to the kernel (then ``backend="auto"``
+        still runs the reference for a problem the kernel does not take)."""
+        return (self.backend != "torch" and query.dtype in (torch.float16, torch.bfloat16)
+                and (query.is_cuda or self.backend == "triton"))
+
+    def _compiled_step(self, module, layer: StaticFsqLayer, query: torch.Tensor,
+                       codes: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """A decode step traced by ``torch.compile``: device operations only, on shapes that do
+        not depend on the length (:meth:`StaticFsqLayer.step`, then attention over the whole
+        buffer, the lengths saying what is attended), so one graph serves every later step.
+        The mask is not read: compiled steps need an unpadded batch, every prompt position its
+        index (``layers[0].consecutive``, checked eagerly once per prompt)."""
+        if query.shape[2] != 1 or not layer.is_initialized:
+            raise NotImplementedError(
+                "a compiled forward of FSQCache(capacity=...) takes one token per sequence "
+                "after an eager prefill; run multi-token forwards (prefills) eagerly")
+        if not self.layers[0].consecutive:
+            raise NotImplementedError(
+                "compiled decode steps of FSQCache(capacity=...) need every prompt position "
+                "to be its index (an unpadded batch); decode a padded batch eagerly "
+                "(generate(..., disable_compile=True))")
+        batch = codes.shape[0]
+        if position_ids is None:
+            position_ids = layer.lengths[:, None].long()
+        layer.step(self.fsq.pack(codes, check=False),
+                   position_ids.to(codes.device, torch.long).expand(batch, 1))
+        q = query[:, :, 0]
+        if self._kernel_dtype(query):
+            problem = self._step_problem(module, layer, q, layer.attended())
+            if self.backend == "triton" or kernels.fsq_kernel_takes(problem):
+                return kernels.decode_fsq_problem(problem, backend="triton")[:, None]
+        folded, k_norm, eps, rope = self._decoding(module)
+        rows = layer.keys.shape[2]
+        visible = torch.arange(rows, device=q.device) < layer.attended()[:, None]
+        return fsq_torch_attention(query, self.fsq.unpack(layer.keys[:, 0]), folded,
+                                   scale=module.scaling, k_norm=k_norm, norm_eps=eps, rope=rope,
+                                   mask=visible[:, None, None, :])
+
+    def _step_problem(self, module, layer: StaticFsqLayer, q: torch.Tensor,
+                      lengths: torch.Tensor) -> kernels.FsqProblem:
+        """The kernel problem of a capacity layer's decode step, built from the cache's own
+        buffers without checks and without reading anything back (so ``torch.compile`` can
+        trace it): the whole codes buffer, ``lengths`` ``(batch,)`` int32 attended, the key
+        decoder in the query's dtype (as the warp-specialized kernel takes it; its products are
+        16-bit either way, :mod:`model_adapters.quant.fsq_precision`'s ``bf16`` form), and the
+        positions only unless every prompt's were their indices. :meth:`_captured_step`
+        validates it once before capturing it."""
+        folded, k_norm, eps, rope = self._decoding(module)
+        positions = None
+        if isinstance(rope, torch.Tensor):
+            rope = self._kernel_rope[1]  # (made by the eager prefill: see fsq_attention)
+        if rope is not None and not self.layers[0].consecutive:
+            positions = self.layers[0].values[:, 0, :, 0]
+        batch, _, dim = q.shape
+        empty = q.new_zeros(batch, folded[0].shape[0], 0, dim)
+        none = torch.zeros(batch, dtype=torch.int32, device=q.device)
+        return kernels.FsqProblem(
+            query=q.contiguous(), codes=layer.keys[:, 0], levels=tuple(self.fsq.levels),
+            key_decoder=folded[0].to(q.dtype), value_decoder=folded[2], key_bias=folded[1],
+            value_bias=folded[3], k_norm=k_norm, eps=eps, rope=rope, positions=positions,
+            sink_keys=empty, sink_values=empty, recent_keys=empty, recent_values=empty,
+            sink_lengths=none, archived_lengths=lengths, recent_lengths=none,
+            scale=float(module.scaling))
 
     def _decoding(self, module) -> tuple:
         """``(folded decoders, k_norm weight or None, norm eps, rope)`` of a converted attention
@@ -447,42 +574,39 @@ class FSQCache(Cache):
                 and not torch.cuda.is_current_stream_capturing())
 
     def _captured_step(self, module, layer: StaticFsqLayer,
-                       q: torch.Tensor) -> kernels.CapturedCall:
-        """The layer's decode-step kernel call, checked once and captured once per query
-        shape, scale, buffer addresses, bottleneck and k_norm weights (a buffer that moved or
-        new weights get a new capture; the folded decoders are computed at the capture). It
-        reads the codes (and, unless every prompt's positions were their indices, the
-        positions) where the layers keep them and the length from ``layer.lengths``, all on
-        the GPU. With
-        consecutive positions and the key decoder in the query's dtype the problem is one the
-        warp-specialized kernel takes (Hopper)."""
+                       q: torch.Tensor) -> kernels.CapturedCall | None:
+        """The layer's decode-step kernel call (:meth:`_step_problem`), validated once and
+        captured once per query shape, scale, buffer addresses, bottleneck and k_norm weights
+        (a buffer that moved or new weights get a new capture; the folded decoders are
+        computed at the capture). It reads the codes, the positions where needed and the
+        length from ``layer.lengths``, all on the GPU. None where ``backend="auto"`` finds a
+        problem the kernel does not take (the reference reads the lengths back, which a
+        capture cannot)."""
         weights = [*module.fsq.parameters()]  # (what the folded decoders come from)
         if module.fsq_k_norm is not None:
             weights += [*module.fsq_k_norm.parameters()]
         rotary = self.rotary.inv_freq if self.rotary is not None else None
-        consecutive = self.layers[0].consecutive
         key = (tuple(q.shape), q.dtype, float(module.scaling), layer.keys.data_ptr(),
-               self.layers[0].values.data_ptr(), layer.lengths.data_ptr(), consecutive,
-               *((w.data_ptr(), w._version) for w in weights),
+               self.layers[0].values.data_ptr(), layer.lengths.data_ptr(),
+               self.layers[0].consecutive, *((w.data_ptr(), w._version) for w in weights),
                None if rotary is None else (rotary.data_ptr(), rotary._version))
         held = self._captured.get(module.layer_idx)
         if held is not None and held[0] == key:
             return held[1]
-        folded, k_norm, eps, rope = self._decoding(module)
-        positions = None if rope is None or consecutive else self.layers[0].values[:, 0, :, 0]
-        # the key decoder in the query's dtype, as the warp-specialized kernel takes it (its
-        # products are 16-bit either way; model_adapters.quant.fsq_precision's "bf16" form)
+        p = self._step_problem(module, layer, q, layer.lengths)
         problem = kernels.validate_fsq_args(
-            q, layer.keys[:, 0], self.fsq.levels, folded[0].to(q.dtype), folded[2],
-            key_bias=folded[1], value_bias=folded[3], rope=self._rope_for_kernel(module, rope),
-            positions=positions, k_norm=k_norm, norm_eps=eps, archived_lengths=layer.lengths,
-            scale=module.scaling, check_codes=False, check_lengths=False, check_positions=False)
-        backend = self.backend
+            p.query, p.codes, p.levels, p.key_decoder, p.value_decoder, key_bias=p.key_bias,
+            value_bias=p.value_bias, rope=p.rope, positions=p.positions, k_norm=p.k_norm,
+            norm_eps=p.eps, archived_lengths=p.archived_lengths, scale=p.scale,
+            check_codes=False, check_lengths=False, check_positions=False)
+        captured = None
+        if self.backend == "triton" or kernels.fsq_kernel_takes(problem):
 
-        def step(query: torch.Tensor) -> torch.Tensor:
-            return kernels.decode_fsq_problem(replace(problem, query=query), backend=backend)
+            def step(query: torch.Tensor) -> torch.Tensor:
+                return kernels.decode_fsq_problem(replace(problem, query=query),
+                                                  backend="triton")
 
-        captured = kernels.CapturedCall(step, q)
+            captured = kernels.CapturedCall(step, q)
         self._captured[module.layer_idx] = (key, captured)
         return captured
 

@@ -164,19 +164,20 @@ class FSQ(nn.Module):
     def _group_levels(self) -> list[int]:
         return [math.prod(self.levels[a:b]) for a, b in self.groups]
 
-    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+    def pack(self, codes: torch.Tensor, *, check: bool = True) -> torch.Tensor:
         """``(..., w)`` integer codes to ``(..., packed_bytes)`` uint8 (ValueError for a code
-        outside its level, from :func:`kernels.fsq_pack`'s check or this one)."""
+        outside its level, from :func:`kernels.fsq_pack`'s check or this one; ``check=False``
+        for codes in range by construction, e.g. :meth:`codes`': no read-back)."""
         if self.power_of_two:
-            return fsq_pack(codes, self.levels)
+            return fsq_pack(codes, self.levels, check=check)
         if not isinstance(codes, torch.Tensor) or codes.dtype.is_floating_point \
                 or codes.shape[-1:] != (self.width,):
             raise ValueError(f"codes must be an integer tensor (..., {self.width}), got "
                              f"{getattr(codes, 'dtype', type(codes))} "
                              f"{tuple(getattr(codes, 'shape', ()))}")
-        levels = torch.tensor(self.levels, device=codes.device)
         codes = codes.long()
-        if codes.numel() and bool(((codes < 0) | (codes >= levels)).any()):
+        if check and codes.numel() and bool(((codes < 0) | (codes >= torch.tensor(
+                self.levels, device=codes.device))).any()):
             raise ValueError(f"codes outside [0, level) for levels {list(self.levels)[:8]}")
         digits = []
         for a, b in self.groups:
@@ -184,7 +185,7 @@ class FSQ(nn.Module):
             for i in reversed(range(a, b)):
                 value = value * self.levels[i] + codes[..., i]
             digits.append(value)
-        return fsq_pack(torch.stack(digits, -1), self._group_levels())
+        return fsq_pack(torch.stack(digits, -1), self._group_levels(), check=False)
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`pack`: ``(..., packed_bytes)`` uint8 to ``(..., w)`` int64."""

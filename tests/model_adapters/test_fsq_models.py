@@ -103,8 +103,8 @@ def test_fsq_cache_logits_match_the_models_own_forward(spec, capacity):
         got = _through_cache(model, cache, IDS, [10, 17, *range(18, 24)])
         assert torch.allclose(got, full, atol=1e-5, rtol=1e-4)
         # packed codes (batch x layers x tokens x packed bytes) and the positions once; with a
-        # capacity the buffers of that size
-        rows = capacity or 24
+        # capacity the buffers of that size and one scratch row
+        rows = capacity + 1 if capacity else 24
         assert cache.nbytes() == 2 * 2 * rows * cache.packed_bytes + 2 * rows * 8
         assert torch.equal(cache.layer_codes(0), bottlenecks(model)[0].codes(
             model.get_input_embeddings()(IDS) * 0 + _layer0_input(model, IDS)))
@@ -206,7 +206,7 @@ def test_cache_crop_and_batch_operations(capacity):
     with pytest.raises(ValueError, match="not an FSQ-converted"):
         FSQCache(qwen3())
     if capacity is not None:  # reordered in place: a captured kernel call still reads it
-        assert cache.layers[1].keys.shape[2] == capacity
+        assert cache.layers[1].keys.shape[2] == capacity + 1  # (and a scratch row)
         address = cache.layers[1].keys.data_ptr()
         cache.reorder_cache(torch.tensor([1, 1]))
         assert cache.layers[1].keys.data_ptr() == address
