@@ -217,8 +217,12 @@ class StaticFsqLayer(FsqLayer):
         return self.keys[:, 0, :self.length]
 
     def crop(self, tokens_to_remove: int) -> None:
-        keep = crop_target(tokens_to_remove, self.known_length())
-        if self.is_initialized and keep < self.length:
+        """As the growing layer's; after compiled steps past the capacity, the positions that
+        fit are what is held (so a crop makes the cache usable again)."""
+        held = self.length if self.length is not None else min(int(self.lengths[0]),
+                                                               self.capacity)
+        keep = crop_target(tokens_to_remove, held)
+        if self.is_initialized and (keep < held or self.length is None):
             self._set_length(keep)
 
     def reset(self) -> None:

@@ -355,3 +355,62 @@ def test_capacity_cache_knows_whether_positions_are_their_indices():
     cache.reset()
     assert cache.layers[0].consecutive and cache.get_seq_length() == 0
 
+
+
+def _compiled_step(model, cache):
+    kw = cache_kwarg(model)
+    torch._dynamo.reset()
+    return torch.compile(lambda ids: model(ids, use_cache=True, **{kw: cache}).logits,
+                         fullgraph=True, backend="eager")
+
+
+def test_compiled_capacity_steps_have_no_graph_break_and_match(converted):
+    """One graph for every decode step (no recompile as the length grows), the logits of the
+    model's own forward, and the host learns the length once, after the steps."""
+    _, model = converted
+    with torch.no_grad():
+        full = model(IDS).logits
+    cache = FSQCache(model, capacity=30)
+    step = _compiled_step(model, cache)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        outs = [_through_cache(model, cache, IDS[:, :10], [])]  # the prefill, eager
+        outs += [step(IDS[:, t:t + 1]) for t in range(10, 22)]
+    assert cache.layers[1].length is None  # (the host did not follow the compiled steps)
+    outs.append(_through_cache(model, cache, IDS[:, 22:], [1]))  # eager again
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-4)
+    assert cache.get_seq_length() == 24
+    assert torch.equal(cache.layers[0].positions(), torch.arange(24).expand(2, 24))
+
+
+def test_compiled_steps_past_the_capacity_are_reported_at_the_next_eager_call():
+    model = _QWEN
+    cache = FSQCache(model, capacity=12)
+    step = _compiled_step(model, cache)
+    with torch.no_grad():
+        _through_cache(model, cache, IDS[:, :10], [])
+        for t in range(10, 14):  # two steps past the capacity: nothing can raise in a graph
+            step(IDS[:, t:t + 1])
+    with pytest.raises(CapacityError, match=r"capacity=12\) was given 14 positions"):
+        cache.get_seq_length()
+    cache.crop(12)  # the positions that fit are kept
+    assert cache.get_seq_length() == 12
+    ref = FSQCache(model, capacity=12)
+    _through_cache(model, ref, IDS[:, :12], [])
+    assert torch.equal(cache.layer_codes(1), ref.layer_codes(1))
+
+
+def test_compiled_steps_refuse_what_they_cannot_trace():
+    # (fullgraph=True reports the refusal as dynamo's Unsupported, quoting it)
+    refused = (NotImplementedError, torch._dynamo.exc.Unsupported)
+    model = _QWEN
+    kw = cache_kwarg(model)
+    cache = FSQCache(model, capacity=20)
+    step = _compiled_step(model, cache)
+    with torch.no_grad(), pytest.raises(refused, match="one token per sequence"):
+        step(IDS[:, :4])  # a compiled prefill
+    cache = FSQCache(model, capacity=20)
+    step = _compiled_step(model, cache)
+    with torch.no_grad():  # a prompt whose positions are not its indices (as padding makes)
+        model(IDS[:, :4], position_ids=torch.arange(1, 5)[None], use_cache=True, **{kw: cache})
+        with pytest.raises(refused, match="an unpadded batch"):
+            step(IDS[:, 4:5])
