@@ -24,9 +24,10 @@ import torch
 from kernels._plan import MAX_SPLITS, multiprocessors, pow2, split_layout
 
 # torch.compile traces the body of an lru_cache'd function and warns that the cache is
-# skipped; the cached functions of the packing contract are pure, so tracing them is exact
+# skipped; the cached helpers a compiled FSQ step calls (the packing contract's, the triton
+# probe) are pure, so tracing them is exact
 warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools\.lru_cache`"
-                        r"-wrapped function at '(_fsq_plan|fsq_codes)\.py")
+                        r"-wrapped function at '(_fsq_plan|fsq_codes|rvq_decode)\.py")
 
 KERNEL_BITS = (1, 2, 4, 8)  # uniform power-of-two levels 2, 4, 16, 256
 TILE_WIDTH = 256  # code coordinates a split program holds whole (registers)

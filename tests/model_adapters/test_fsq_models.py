@@ -2,6 +2,7 @@
 saving and loading (whole model through the auto classes, bottleneck alone), finetuning."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from interpreted import run_interpreted
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
 from model_adapters.caches.fsq_cache import CapacityError, FSQCache, fsq_torch_attention
@@ -414,3 +416,11 @@ def test_compiled_steps_refuse_what_they_cannot_trace():
         model(IDS[:, :4], position_ids=torch.arange(1, 5)[None], use_cache=True, **{kw: cache})
         with pytest.raises(refused, match="an unpadded batch"):
             step(IDS[:, 4:5])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="this process already interprets: the module runs directly")
+def test_fsq_cache_triton_path_under_the_interpreter():
+    pytest.importorskip("triton")
+    out = run_interpreted(Path(__file__).with_name("test_fsq_cache_interpreted.py"), timeout=600)
+    assert "2 passed" in out
