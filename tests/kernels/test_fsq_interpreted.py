@@ -247,3 +247,27 @@ def test_property_matches_reference(batch, kv_heads, group, head_dim, width, lev
                          sinks=sinks, recent=recent, rope=rope, dtype=dtype, seed=archived,
                          k_norm=rope is not None, **lengths)
     check(case, num_splits=splits)
+
+
+@pytest.mark.parametrize("rope", ["theta", "frequencies", "tables", None])
+def test_trusted_path_is_one_operator_under_compile(rope):
+    """Under torch.compile the Triton path is the operator fkv::fsq_decode (no graph break),
+    computing what the launched call does, for every form of rope; the operator passes
+    torch.library.opcheck (schema, fake tensors, autograd registration)."""
+    from dataclasses import replace
+
+    from kernels.fsq_decode import _op_args
+
+    case = make_fsq_case(archived=40, archived_lengths=[40, 9], positions=3)
+    inv = 1e6 ** (-torch.arange(0, 32, 2).double() / 32)
+    angles = torch.cat([torch.arange(60).double()[:, None] * inv] * 2, dim=1)
+    case["rope"] = {"theta": 1e6, "frequencies": RopeFrequencies(tuple(inv.tolist())),
+                    "tables": (angles.cos().float(), angles.sin().float()), None: None}[rope]
+    problem = validate_fsq_args(**case)
+    want = decode_fsq_problem(problem, backend="triton")
+    torch._dynamo.reset()
+    step = torch.compile(lambda q: decode_fsq_problem(replace(problem, query=q),
+                                                      backend="triton"),
+                         fullgraph=True, backend="eager")
+    assert torch.equal(step(problem.query), want)
+    torch.library.opcheck(torch.ops.fkv.fsq_decode.default, _op_args(problem))
