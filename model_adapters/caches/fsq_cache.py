@@ -196,11 +196,13 @@ class StaticFsqLayer(FsqLayer):
         return self.known_length()
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
-        # a compiled step reads no mask (the lengths say what is attended): a fixed size;
-        # older releases pass cache_position (one entry per query token) instead of a length
-        if torch.compiler.is_compiling():
-            return 1, 0
+        """One query token: the whole buffer (a fixed size, so the mask of a decode step
+        neither grows nor needs the length; its columns are the cache's positions, those past
+        the length hidden); a prefill: the positions held and its own. Older releases pass
+        cache_position (one entry per query token) instead of a length."""
         q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
+        if q == 1:
+            return self.capacity + 1, 0
         return self.known_length() + q, 0
 
     def get_max_length(self) -> int:
@@ -462,6 +464,8 @@ class FSQCache(Cache):
         # (FSQ.codes are in range by construction: packing them reads nothing back)
         packed = layer.append(self.fsq.pack(codes, check=False), position_ids)
         positions = self.layers[0].positions()
+        if attention_mask is not None:  # (a capacity layer's decode-step mask spans its buffer)
+            attention_mask = attention_mask[..., :packed.shape[1]]
         step = query.shape[2] == 1
         folded, k_norm, eps, rope = self._decoding(module)
         if static and rope is not None:

@@ -424,3 +424,33 @@ def test_fsq_cache_triton_path_under_the_interpreter():
     pytest.importorskip("triton")
     out = run_interpreted(Path(__file__).with_name("test_fsq_cache_interpreted.py"), timeout=600)
     assert "2 passed" in out
+
+
+def test_generate_compiles_the_capacity_cache_by_itself(converted):
+    """The cache is compileable, so ``generate`` compiles its decode steps (here forced onto
+    the CPU, eager backend): one graph for every step (the decode-step mask has a fixed size),
+    the eager run's tokens and logits, and no length read back during generation."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    _, model = converted
+    kw = cache_kwarg(model)
+    config = CompileConfig(backend="eager", fullgraph=True)
+    config._compile_all_devices = True  # (generate compiles on GPUs only, otherwise)
+    runs = {}
+    for compiled in (False, True):
+        cache = FSQCache(model, capacity=40)
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad():
+            out = model.generate(IDS[:, :12], attention_mask=torch.ones_like(IDS[:, :12]),
+                                 max_new_tokens=10, do_sample=False, pad_token_id=1,
+                                 disable_compile=not compiled, compile_config=config,
+                                 output_logits=True, return_dict_in_generate=True,
+                                 **{kw: cache})
+        runs[compiled] = (out.sequences, torch.stack(out.logits, 1),
+                          counters["stats"]["unique_graphs"], cache.layers[1].length)
+    (tokens, logits, graphs, length), (want_tokens, want, eager_graphs, _) = runs[True], runs[False]
+    assert eager_graphs == 0 and graphs == 1 and length is None
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-4)
