@@ -48,7 +48,7 @@ from model_adapters.caches.static_codes import CapacityError
 from model_adapters.caches.window import crop_target
 from model_adapters.quant.fsq import FSQ
 from model_adapters.quant.fsq_config import fsq_spec
-from model_adapters.quant.fsq_model import attention_layers
+from model_adapters.quant.fsq_model import attention_layers, rope_theta
 
 __all__ = ["CapacityError", "FSQCache", "FsqLayer", "StaticFsqLayer", "decode_keys",
            "decode_values", "fsq_torch_attention", "rope_angles", "rotary_embedding"]
@@ -416,6 +416,7 @@ class FSQCache(Cache):
         self.fsq = FSQ(levels)
         self.backend = backend
         self.rotary = rotary_embedding(model)
+        self.rope_theta = None if self.rotary is None else rope_theta(model.config)
         self._kernel_rope: tuple = (None, None)  # (inverse-frequency key, the kernel's rope)
         self.kernel_calls = 0  # decode steps (per layer) sent to kernels.fsq_decode_attention
 
@@ -468,8 +469,8 @@ class FSQCache(Cache):
             attention_mask = attention_mask[..., :packed.shape[1]]
         step = query.shape[2] == 1
         folded, k_norm, eps, rope = self._decoding(module)
-        if static and rope is not None:
-            self._rope_for_kernel(module, rope)  # (a compiled step reads it, cannot make it)
+        if static:
+            self._rope_for_kernel(rope)  # (a compiled step reads it, cannot make it)
         if step and self._kernel_dtype(query) and self._visible(layer, attention_mask):
             self.kernel_calls += 1
             q = query[:, :, 0]
@@ -480,7 +481,7 @@ class FSQCache(Cache):
             out = fsq_decode_attention(
                 q, packed, self.fsq.levels, folded[0], folded[2],
                 key_bias=folded[1], value_bias=folded[3],
-                rope=self._rope_for_kernel(module, rope),
+                rope=self._rope_for_kernel(rope),
                 positions=positions if rope is not None else None, k_norm=k_norm, norm_eps=eps,
                 scale=module.scaling, backend=self.backend)
             return out[:, None]
@@ -538,8 +539,7 @@ class FSQCache(Cache):
         validates it once before capturing it."""
         folded, k_norm, eps, rope = self._decoding(module)
         positions = None
-        if isinstance(rope, torch.Tensor):
-            rope = self._kernel_rope[1]  # (made by the eager prefill: see fsq_attention)
+        rope = self._rope_for_kernel(rope)
         if rope is not None and not self.layers[0].consecutive:
             positions = self.layers[0].values[:, 0, :, 0]
         batch, _, dim = q.shape
@@ -639,16 +639,25 @@ class FSQCache(Cache):
                              f"got {self.get_seq_length()} positions and {len(layer_codes)}")
         for layer, codes in zip(self.layers, layer_codes, strict=True):
             layer.append(self.fsq.pack(codes), positions.to(codes.device, torch.long))
+        if self.rotary is not None:
+            self._rope_for_kernel(self.rotary.inv_freq)  # (for compiled steps after this)
 
-    def _rope_for_kernel(self, module, rope):
-        """The kernel's ``rope``: the layer's theta when the model's inverse frequencies are
-        theta's (float32, as transformers computes them), else the model's own frequencies
-        (e.g. rounded to bfloat16 by ``model.to(torch.bfloat16)``) as
+    def _rope_for_kernel(self, rope):
+        """The kernel's ``rope``: the model's theta when its inverse frequencies are theta's
+        (float32, as transformers computes them), else the model's own frequencies (e.g.
+        rounded to bfloat16 by ``model.to(torch.bfloat16)``) as
         :class:`kernels.RopeFrequencies`; either way the kernel reduces the angles exactly in
-        float64 tables. Read back once per frequency tensor, then cached."""
+        float64 tables. Read back once per frequency tensor, then cached (a compiled step
+        reads the cached value: it cannot read back)."""
         if not isinstance(rope, torch.Tensor):
             return rope
-        theta, dim = module.fsq_rope_theta, 2 * rope.shape[0]
+        if torch.compiler.is_compiling():
+            if self._kernel_rope[0] is None:
+                raise NotImplementedError(
+                    "a compiled decode step of FSQCache needs an eager forward or load() "
+                    "first (the kernel's RoPE frequencies are read back once, eagerly)")
+            return self._kernel_rope[1]
+        theta, dim = self.rope_theta, 2 * rope.shape[0]
         key = (rope.data_ptr(), rope.dtype, rope.device, rope._version)
         if self._kernel_rope[0] != key:
             ref = 1.0 / (float(theta) ** (torch.arange(0, dim, 2, device=rope.device).float()

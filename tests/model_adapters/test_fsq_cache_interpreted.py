@@ -68,3 +68,17 @@ def test_triton_steps_launched_and_compiled_match_the_torch_path(arch, monkeypat
     assert cache.kernel_calls == 0  # (compiled steps count nothing: the host does not follow)
     assert cache.get_seq_length() == IDS.shape[1]
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    # compiled steps straight after load() (no eager forward: load prepares the kernel's rope)
+    held = FSQCache(model, backend="torch")
+    with torch.no_grad():
+        model(IDS[:, :PREFILL], use_cache=True, **{kw: held})
+    loaded = FSQCache(model, backend="triton", capacity=24)
+    loaded.load([held.layer_codes(i) for i in range(len(held.layers))],
+                held.layers[0].positions())
+    torch._dynamo.reset()
+    step = torch.compile(lambda ids: model(ids, use_cache=True, **{kw: loaded}).logits,
+                         fullgraph=True, backend="eager")
+    with torch.no_grad():
+        got = torch.cat([step(IDS[:, t:t + 1]) for t in range(PREFILL, IDS.shape[1])], 1)
+    tail = want[:, PREFILL:]
+    assert (got.float() - tail).abs().max() <= 0.02 * tail.abs().max()
