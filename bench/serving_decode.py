@@ -21,7 +21,9 @@ and batch, in the same process, every path decodes ``--steps`` tokens:
   replayed from a captured CUDA graph), ``fsq-eager-launched`` (the same cache with
   ``capture_eager_steps = False``: the validated kernel call launched every step) and
   ``fsq-growing`` (no capacity: the codes grow by concatenation, the validated call every
-  step).
+  step); and at the compiled points ``fsq-compiled`` (the capacity cache, the forward compiled
+  like ``static-compiled``: the kernel one operator in the graph), which ``--generate-at``
+  also times through ``generate``'s own compilation.
 
 Compiled paths run only at ``--compiled-points`` (compiling is most of their cost here).
 Reported per path: tokens/s, wall time per step, host time per step (one step's Python call
@@ -59,6 +61,7 @@ from model_adapters.quant.quantizer import KVQuantizer  # noqa: E402
 EAGER = ("dynamic-sdpa", "dynamic-flash", "codes-eager", "codes-eager-launched")
 FSQ_EAGER = ("fsq-eager", "fsq-eager-launched", "fsq-growing")
 COMPILED = ("static-compiled", "codes-compiled")
+FSQ_COMPILED = ("fsq-compiled",)
 SINKS, RECENT = 4, 32
 
 
@@ -286,7 +289,7 @@ def run_path(path, model, q, shape, batch, n, args, device, dtype, bw) -> dict:
     fill(cache, shape, batch, n, device, dtype)
     kw = cache_kwarg(model)
     forward = model.forward
-    if path in COMPILED:
+    if path in COMPILED + FSQ_COMPILED:
         forward = compiled(model.forward, device)
     tok = torch.full((batch, 1), 5, device=device)
     state = {"tok": tok}
@@ -543,7 +546,8 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--fsq", metavar="SPEC",
                         help="also the FSQ-converted model's paths (fsq-eager, "
-                             "fsq-eager-launched, fsq-growing), e.g. fsq-w84-L16")
+                             "fsq-eager-launched, fsq-growing; fsq-compiled at the compiled "
+                             "points and in generate), e.g. fsq-w84-L16")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--budget-gib", type=float, default=16.0)
     parser.add_argument("--budget-batch", type=int, default=8)
@@ -601,8 +605,10 @@ def main(argv=None):
         # the compiled points (the targets) first: a deadline skips the others
         points.sort(key=lambda p: p not in compiled_points)
         for n, batch in points:
-            for path in (EAGER + (FSQ_EAGER if fsq_model is not None else ())
-                         + (COMPILED if (n, batch) in compiled_points else ())):
+            fsq = fsq_model is not None
+            at_compiled = (n, batch) in compiled_points
+            for path in (EAGER + (FSQ_EAGER if fsq else ()) + (COMPILED if at_compiled else ())
+                         + (FSQ_COMPILED if fsq and at_compiled else ())):
                 if late():
                     grid.append({"path": path, "context": n, "batch": batch,
                                  "error": "skipped (out of time)"})
@@ -614,17 +620,18 @@ def main(argv=None):
         report["generate"] = []
         new = tuple(args.generate_tokens)
         for n, batch in map(point, args.generate_at):
-            for path in COMPILED:
+            for path in COMPILED + (FSQ_COMPILED if fsq_model is not None else ()):
+                path_model = fsq_model if path.startswith("fsq") else model
                 if late():
                     report["generate"].append({"path": path, "context": n, "batch": batch,
                                                "error": "skipped (out of time)"})
                     continue
                 try:
                     empty_cache()
-                    set_attention(model, path)
-                    cache = make_cache(path, model, q, n + 2 * sum(new) + 8)
+                    set_attention(path_model, path)
+                    cache = make_cache(path, path_model, q, n + 2 * sum(new) + 8)
                     fill(cache, shape, batch, n, device, dtype)
-                    report["generate"].append(generate_speed(path, model, cache, batch, n,
+                    report["generate"].append(generate_speed(path, path_model, cache, batch, n,
                                                              device, new))
                 except Exception as exc:  # noqa: BLE001 (reported, not fatal)
                     report["generate"].append({"path": path, "context": n, "batch": batch,
