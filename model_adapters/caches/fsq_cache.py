@@ -389,14 +389,17 @@ class FSQCache(Cache):
             masked positions; ValueError from the kernel where it cannot).
         capacity: the most positions the cache will hold, or None (grow as needed). With a
             capacity every layer's codes (and the positions) are allocated once at that size
-            (:class:`StaticFsqLayer`) and, on CUDA, each layer's decode-step kernel call is
-            captured in a CUDA graph on its first step and replayed on the next ones
-            (:class:`kernels.CapturedCall`: no argument checks, launches or read-backs per
-            step; set ``capture_eager_steps = False`` to launch instead). Past the capacity:
-            :class:`CapacityError` before anything is written. The mask of a batch is checked
-            once per prompt, at its first decode step (a padded batch runs torch); later steps'
-            masks are trusted to be as visible, and captured steps' positions (below 2^22 for
-            exact angles) are not checked.
+            (:class:`StaticFsqLayer`) and the cache is compileable: ``torch.compile`` (and
+            ``generate``, by itself on CUDA) traces a decode step into one graph for every
+            length (an unpadded batch, after an eager prefill or :meth:`load`). Uncompiled on
+            CUDA, each layer's decode-step kernel call is captured in a CUDA graph on its first
+            step and replayed on the next ones (:class:`kernels.CapturedCall`: no argument
+            checks, launches or read-backs per step; set ``capture_eager_steps = False`` to
+            launch instead). Past the capacity: :class:`CapacityError` before anything is
+            written (compiled steps: at the next eager call that learns the length). An eager
+            step checks the mask once per prompt, at its first decode step (a padded batch runs
+            torch); later steps' masks are trusted to be as visible, and decode steps'
+            positions (below 2^22 for exact angles) are trusted to continue the prompt's.
     """
 
     def __init__(self, model, *, backend: str = "auto", capacity: int | None = None):
