@@ -423,6 +423,11 @@ class FSQCache(Cache):
         self._kernel_rope: tuple = (None, None)  # (inverse-frequency key, the kernel's rope)
         self.kernel_calls = 0  # decode steps (per layer) sent to kernels.fsq_decode_attention
 
+    def __getstate__(self) -> dict:
+        """Copied and pickled without its captured calls (CUDA graphs, which neither copy nor
+        pickle; the copy captures again at its first eager step)."""
+        return {**self.__dict__, "_captured": {}}
+
     @property
     def packed_bytes(self) -> int:
         """Bytes of one token's code row in one layer."""
@@ -471,9 +476,8 @@ class FSQCache(Cache):
         if attention_mask is not None:  # (a capacity layer's decode-step mask spans its buffer)
             attention_mask = attention_mask[..., :packed.shape[1]]
         step = query.shape[2] == 1
-        folded, k_norm, eps, rope = self._decoding(module)
         if static:
-            self._rope_for_kernel(rope)  # (a compiled step reads it, cannot make it)
+            self._rope_for_kernel(self._rope(module))  # (a compiled step reads it, cannot make it)
         if step and self._kernel_dtype(query) and self._visible(layer, attention_mask):
             self.kernel_calls += 1
             q = query[:, :, 0]
@@ -481,6 +485,7 @@ class FSQCache(Cache):
                 captured = self._captured_step(module, layer, q)
                 if captured is not None:
                     return captured(q)[:, None]
+            folded, k_norm, eps, rope = self._decoding(module)
             out = fsq_decode_attention(
                 q, packed, self.fsq.levels, folded[0], folded[2],
                 key_bias=folded[1], value_bias=folded[3],
@@ -488,6 +493,7 @@ class FSQCache(Cache):
                 positions=positions if rope is not None else None, k_norm=k_norm, norm_eps=eps,
                 scale=module.scaling, backend=self.backend)
             return out[:, None]
+        folded, k_norm, eps, rope = self._decoding(module)
         return fsq_torch_attention(query, self.fsq.unpack(packed), folded, scale=module.scaling,
                                    k_norm=k_norm, norm_eps=eps, rope=rope, positions=positions,
                                    mask=attention_mask)
@@ -563,10 +569,16 @@ class FSQCache(Cache):
         norm = module.fsq_k_norm
         k_norm = None if norm is None else norm.weight
         eps = 1e-6 if norm is None else float(getattr(norm, "variance_epsilon", 1e-6))
+        return folded, k_norm, eps, self._rope(module)
+
+    def _rope(self, module):
+        """The layer's rotation: None (GPT-2), else the model's own inverse frequencies (what
+        rotated the query: bf16 after ``model.to(bf16)``), or its theta without a rotary
+        module."""
         rope = module.fsq_rope_theta
         if rope is not None and self.rotary is not None:
-            rope = self.rotary.inv_freq  # what rotated the query: bf16 after model.to(bf16)
-        return folded, k_norm, eps, rope
+            rope = self.rotary.inv_freq
+        return rope
 
     @staticmethod
     def _visible(layer, mask) -> bool:

@@ -454,3 +454,21 @@ def test_generate_compiles_the_capacity_cache_by_itself(converted):
     assert eager_graphs == 0 and graphs == 1 and length is None
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("capacity", [None, 30])
+def test_copies_and_pickles_continue_as_the_original(capacity):
+    import copy
+    import pickle
+    import threading
+
+    model = _QWEN
+    cache = FSQCache(model, capacity=capacity)
+    _through_cache(model, cache, IDS[:, :12], [])
+    cache._captured[0] = (None, threading.Lock())  # (like a CUDA graph: neither copies)
+    copies = [copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))]
+    want = _through_cache(model, cache, IDS[:, 12:16], [1, 2])
+    for other in copies:
+        assert other._captured == {}
+        torch.testing.assert_close(_through_cache(model, other, IDS[:, 12:16], [1, 2]), want,
+                                   rtol=0, atol=0)
