@@ -37,10 +37,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from _common import add_out_option, machine, markdown_table, out_name, write_json  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb  # noqa: E402
 
+from bench._common import (  # noqa: E402
+    add_out_option,
+    machine,
+    markdown_table,
+    out_name,
+    write_json,
+)
 from model_adapters.experiments.needles import load_tokens  # noqa: E402
 
 

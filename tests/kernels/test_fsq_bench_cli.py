@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "fsq_kernels.py"
+from bench_scripts import bench_script
 
 
 @pytest.fixture(scope="module")
 def fsq_bench():
-    spec = importlib.util.spec_from_file_location("bench_fsq_kernels", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("fsq_kernels")
 
 
 def test_a_choice_reads_as_heads_code_and_key_buffers(fsq_bench):

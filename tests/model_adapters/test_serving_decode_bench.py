@@ -2,25 +2,19 @@
 gives each cache fit the budget, ``generate`` runs on both caches there, and the results are
 written even when the deadline skips the measurements."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from bench_scripts import bench_script
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("serving_decode_bench",
-                                                  ROOT / "bench" / "serving_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("serving_decode")
 
 
 SMALL = ["--device", "cpu", "--small", "--layers", "1", "--skip", "kernel", "grid",
@@ -68,3 +62,16 @@ def test_budget_section_past_the_deadline_reports_skips(bench, tmp_path):
     rows = json.loads(out.with_suffix(".json").read_text())["budget"]
     assert [r["error"] for r in rows] == ["skipped (out of time)"] * 2
     assert rows[1]["tokens_held"] > 10 * rows[0]["tokens_held"]
+
+
+def test_fsq_paths_run_in_the_grid(bench, tmp_path):
+    """``--fsq``: the converted model's eager, launched, growing and compiled paths decode at a
+    grid point (CPU: the compiled path traced, the kernel's torch path)."""
+    out = tmp_path / "fsq"
+    bench.main(["--device", "cpu", "--small", "--layers", "1", "--skip", "kernel", "budget",
+                "generate", "--points", "64:1", "--compiled-points", "64:1", "--steps", "1",
+                "--fsq", "fsq-w16-L16", "--out", str(out)])
+    rows = {r["path"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    for path in (*bench.FSQ_EAGER, *bench.FSQ_COMPILED):
+        assert "error" not in rows[path], rows[path]
+        assert rows[path]["tok_s"] > 0 and rows[path]["cache_GiB"] > 0
